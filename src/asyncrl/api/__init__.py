@@ -1,0 +1,17 @@
+"""Contracts shared by every package: typed data and the engine/workflow/reward protocols."""
+
+from asyncrl.api.protocols import InferenceEngine, LossFn, RewardFn, TrainEngine, Workflow
+from asyncrl.api.types import (
+    Batch,
+    GenerationRequest,
+    GenerationResponse,
+    SamplingParams,
+    StopReason,
+    TensorBatch,
+    Trajectory,
+)
+
+__all__ = [
+    "Batch", "GenerationRequest", "GenerationResponse", "InferenceEngine", "LossFn", "RewardFn",
+    "SamplingParams", "StopReason", "TensorBatch", "TrainEngine", "Trajectory", "Workflow",
+]

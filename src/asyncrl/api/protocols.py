@@ -1,0 +1,87 @@
+"""The extension points: each is a small protocol with one job."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from asyncrl.api.types import Batch, GenerationRequest, GenerationResponse, TensorBatch, Trajectory
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What the rollout side sees of the inference servers (an HTTP client in practice)."""
+
+    async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
+        """Generate one completion; tokens carry the weight version that produced them."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop scheduling decode steps on every server; requests in flight are kept."""
+        ...
+
+    async def resume(self) -> None:
+        ...
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load the safetensors folder `path` as weight version `version` on every server."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class LossFn(Protocol):
+    """A training loss over one micro-batch.
+
+    `logprobs` are the current policy's log-probs, token-aligned with `mb.input_ids`.
+    The returned loss must already be divided by the whole batch's normaliser
+    (`n_tokens` loss tokens, `n_seqs` sequences), so summing micro-batch gradients
+    gives the gradient of the batch loss.
+    """
+
+    def __call__(self, logprobs: torch.Tensor, mb: TensorBatch, *, n_tokens: int,
+                 n_seqs: int) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """A trainable policy: log-probs, one optimiser step over a batch, saving."""
+
+    def compute_logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        """Token-aligned log-probs [B, T] of `batch.input_ids` under the current weights."""
+        ...
+
+    def train_batch(self, batch: TensorBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate `loss_fn` over micro-batches, clip, step the optimiser and schedule."""
+        ...
+
+    def save_hf(self, path: str) -> None:
+        """Write the weights (safetensors) and config in HF format to `path`."""
+        ...
+
+    def save_state(self, path: str) -> None:
+        """Model, optimiser and scheduler state for exact resume."""
+        ...
+
+    def load_state(self, path: str) -> None:
+        ...
+
+
+@runtime_checkable
+class Workflow(Protocol):
+    """One episode: from a dataset item to a group of trajectories (or None to reject it)."""
+
+    async def run(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+        ...
+
+
+class RewardFn(Protocol):
+    """Score one completion. Raise on failure: a failure is reported, never scored 0."""
+
+    def __call__(self, completion: str, item: dict[str, Any]) -> float: ...
+
+
+BatchFilter = Callable[[Batch], Batch]

@@ -1,0 +1,248 @@
+"""The typed data that crosses process and package boundaries.
+
+Token alignment, used everywhere: per-token arrays have one entry per token of
+`input_ids`. Entry t of `behavior_logprobs` is log p(input_ids[t] | input_ids[:t]); prompt
+positions hold 0.0 and a version of -1. The trainer's recomputed log-probs use the same
+alignment, so the three log-probabilities of the decoupled objective line up index for index.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class StopReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string was produced
+    LENGTH = "length"  # max_new_tokens (or the context limit) was reached
+    ABORT = "abort"  # the request was cancelled
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How to sample one completion; `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past the model's EOS tokens (benchmarks, tests)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": list(self.stop_token_ids),
+            "stop": list(self.stop),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+@dataclass(kw_only=True)
+class GenerationRequest:
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rid": self.rid, "input_ids": list(self.input_ids), "sampling": self.sampling.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerationRequest:
+        return cls(input_ids=list(d["input_ids"]), sampling=SamplingParams(**d.get("sampling", {})),
+                   rid=d.get("rid") or uuid.uuid4().hex)
+
+
+@dataclass(kw_only=True)
+class GenerationResponse:
+    """One finished completion: its tokens, their log-probs and weight versions."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: StopReason
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        if len(self.output_logprobs) != n or len(self.output_versions) != n:
+            raise ValueError(
+                f"response {self.rid}: {n} output ids but {len(self.output_logprobs)} logprobs "
+                f"and {len(self.output_versions)} versions"
+            )
+        self.stop_reason = StopReason(self.stop_reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "input_ids": self.input_ids,
+            "output_ids": self.output_ids,
+            "output_logprobs": self.output_logprobs,
+            "output_versions": self.output_versions,
+            "stop_reason": self.stop_reason.value,
+            "latency_s": self.latency_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerationResponse:
+        return cls(**{k: d[k] for k in (
+            "rid", "input_ids", "output_ids", "output_logprobs", "output_versions", "stop_reason"
+        )}, latency_s=d.get("latency_s", 0.0))
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One sampled answer (or one multi-turn episode), ready for training."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    versions: list[int]
+    reward: float
+    group_id: str
+    stop_reason: StopReason = StopReason.STOP
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "behavior_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"trajectory {self.group_id}: {name} has {len(getattr(self, name))} entries, "
+                    f"input_ids has {n}"
+                )
+        self.stop_reason = StopReason(self.stop_reason)
+
+    @classmethod
+    def from_response(cls, resp: GenerationResponse, *, reward: float, group_id: str,
+                      meta: dict[str, Any] | None = None) -> Trajectory:
+        """Prompt + completion of one single-turn generation."""
+        n_prompt = len(resp.input_ids)
+        return cls(
+            input_ids=resp.input_ids + resp.output_ids,
+            loss_mask=[0] * n_prompt + [1] * len(resp.output_ids),
+            behavior_logprobs=[0.0] * n_prompt + list(resp.output_logprobs),
+            versions=[-1] * n_prompt + list(resp.output_versions),
+            reward=reward,
+            group_id=group_id,
+            stop_reason=resp.stop_reason,
+            meta=dict(meta or {}),
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_output_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def output_versions(self) -> list[int]:
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+
+    @property
+    def start_version(self) -> int:
+        """The weight version current when the episode was submitted (set by the executor)."""
+        return int(self.meta["start_version"])
+
+
+@dataclass
+class TensorBatch:
+    """Right-padded tensors of a list of trajectories, all [B, T] unless noted."""
+
+    input_ids: torch.Tensor  # long
+    attention_mask: torch.Tensor  # bool, True on real tokens
+    loss_mask: torch.Tensor  # float, 1 on tokens the policy produced
+    behavior_logprobs: torch.Tensor  # float32
+    versions: torch.Tensor  # long, -1 on prompt and padding
+    rewards: torch.Tensor  # [B] float32
+    advantages: torch.Tensor | None = None  # [B, T] float32, set by the algorithm
+    prox_logprobs: torch.Tensor | None = None  # [B, T] float32, set by the trainer
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.attention_mask.sum(-1)
+
+    def select(self, idx: torch.Tensor | list[int]) -> TensorBatch:
+        """Rows `idx`, trimmed to their longest sequence."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        width = int(self.attention_mask[idx].sum(-1).max()) if len(idx) else 0
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[idx][:, :width] if t.dim() == 2 else t[idx]
+        return TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__})
+
+
+@dataclass
+class Batch:
+    """The trajectories of one training step, in groups of `group_size`."""
+
+    trajectories: list[Trajectory]
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self):
+        return iter(self.trajectories)
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor([t.reward for t in self.trajectories], dtype=torch.float32)
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [t.group_id for t in self.trajectories]
+
+    def to_tensors(self, pad_token_id: int = 0) -> TensorBatch:
+        """Collate to right-padded tensors (the trainer's input)."""
+        if not self.trajectories:
+            raise ValueError("cannot collate an empty batch")
+        width = max(t.n_tokens for t in self.trajectories)
+        n = len(self.trajectories)
+
+        def pad(rows: list[list], value, dtype) -> torch.Tensor:
+            out = torch.full((n, width), value, dtype=dtype)
+            for i, row in enumerate(rows):
+                out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+            return out
+
+        trajs = self.trajectories
+        input_ids = pad([t.input_ids for t in trajs], pad_token_id, torch.long)
+        attention_mask = pad([[1] * t.n_tokens for t in trajs], 0, torch.bool)
+        return TensorBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            loss_mask=pad([t.loss_mask for t in trajs], 0, torch.float32),
+            behavior_logprobs=pad([t.behavior_logprobs for t in trajs], 0.0, torch.float32),
+            versions=pad([t.versions for t in trajs], -1, torch.long),
+            rewards=self.rewards,
+        )

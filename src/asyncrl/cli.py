@@ -1,0 +1,94 @@
+"""`asyncrl train | serve | quickstart`."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from importlib import resources
+
+
+def _train(args: argparse.Namespace) -> int:
+    from asyncrl.config import load_config
+    from asyncrl.trainers.rl import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg)
+    print_summary(summary)
+    return 0
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from asyncrl.config import load_config
+    from asyncrl.trainers.rl import train
+
+    recipe = resources.files("asyncrl.recipes") / "quickstart.yaml"
+    with resources.as_file(recipe) as path:
+        cfg = load_config(path, args.overrides)
+    summary = train(cfg)
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    before, after = summary.get("eval_before"), summary.get("eval_after")
+    print("\n== asyncrl run finished ==")
+    print(f"run directory : {summary['run_dir']}")
+    if before is not None:
+        print(f"held-out reward before training: {before:.4f}")
+    if after is not None:
+        print(f"held-out reward after training : {after:.4f}"
+              + (f"  ({after - before:+.4f})" if before is not None else ""))
+    for key in ("stats", "reward_curve"):
+        if key in summary:
+            print(f"{key:14s}: {summary[key]}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from asyncrl.inference.server import main as server_main
+
+    argv = ["--model", args.model, "--host", args.host, "--port", str(args.port)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    argv += ["--dtype", args.dtype]
+    return server_main(argv) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="run asynchronous RL from a YAML config")
+    p.add_argument("--config", required=True, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optimizer.lr=1e-6")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart recipe")
+    p.set_defaults(func=_quickstart)
+    p = sub.add_parser("serve", help="start the local inference server alone")
+    p.add_argument("--model", required=True, help="HF folder, hub id or named model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from asyncrl.config import ConfigError
+
+    # SIGTERM unwinds like Ctrl-C, so the scheduler stops every server on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"asyncrl: config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asyncrl: interrupted; servers stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Typed configuration: dataclasses per component, YAML + key=value loading."""
+
+from asyncrl.config.loader import ConfigError, load_config, to_yaml
+from asyncrl.config.schema import (
+    ActorConfig,
+    DatasetConfig,
+    ExperimentConfig,
+    GenerationConfig,
+    LocalEngineConfig,
+    MicroBatchSpec,
+    NormConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    WorkflowConfig,
+)
+
+__all__ = [
+    "ActorConfig", "ConfigError", "DatasetConfig", "ExperimentConfig", "GenerationConfig",
+    "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RolloutConfig",
+    "WorkflowConfig", "load_config", "to_yaml",
+]

@@ -1,0 +1,291 @@
+"""One dataclass per component. Keys follow AReaL's names and meanings.
+
+Every field is documented where it is declared. Cross-field checks live in
+`__post_init__`, so a bad combination fails when the config is loaded, with a message that
+says what to change. `${...}` interpolations are resolved by the loader (OmegaConf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+NormLevel = Literal["batch", "group", "none"]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    n_nodes: int = 1
+    n_gpus_per_node: int = 0  # 0: a CPU machine
+    # Root of run directories: <fileroot>/<experiment_name>/<trial_name>/. Empty: the user
+    # cache dir (~/.cache/asyncrl/experiments).
+    fileroot: str = ""
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    type: Literal["local"] = "local"
+    # CPU cores given to the inference server(s) and to the trainer. On a CPU machine both run
+    # at once; None splits the machine's cores evenly. Servers are pinned to their cores.
+    inference_threads: Optional[int] = None
+    trainer_threads: Optional[int] = None
+    # Seconds to wait for a server's /health before giving up (its log tail is shown).
+    startup_timeout: float = 300.0
+
+
+@dataclass(kw_only=True)
+class LocalEngineConfig:
+    """The `local` inference server (our own engine; base install)."""
+
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    max_batch_size: int = 64  # concurrent sequences decoded together (KV-cache slots)
+    max_seq_len: int = 2048  # prompt + completion tokens per slot
+    # After a weight update, recompute the KV cache of in-flight sequences under the new
+    # weights, so their later tokens (and log-probs) are exactly the new policy's.
+    recompute_kv_on_update: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_size >= 1, f"local_engine.max_batch_size must be >= 1, got {self.max_batch_size}")
+        _check(self.max_seq_len >= 16, f"local_engine.max_seq_len must be >= 16, got {self.max_seq_len}")
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """`gconfig`: how completions are sampled during training rollouts."""
+
+    n_samples: int = 4  # completions per prompt (the GRPO group size)
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    greedy: bool = False  # overrides temperature with 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.n_samples >= 1, f"gconfig.n_samples must be >= 1, got {self.n_samples}")
+        _check(self.max_new_tokens >= 1, f"gconfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.min_new_tokens == 0, "gconfig.min_new_tokens other than 0 is not supported yet")
+        _check(self.temperature >= 0, f"gconfig.temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"gconfig.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def effective_temperature(self) -> float:
+        return 0.0 if self.greedy else self.temperature
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    # eta: an episode may start only while accepted + running < (eta + version + 1) * B,
+    # where B = consumer_batch_size. 0 is synchronous RL.
+    max_head_offpolicyness: int = 0
+    # Episodes (prompts; each yields gconfig.n_samples trajectories) per training step.
+    consumer_batch_size: int = 8
+    # Episodes in flight at most. None: consumer_batch_size * (max_head_offpolicyness + 1).
+    max_concurrent_rollouts: Optional[int] = None
+    backend: Literal["local"] = "local"
+    n_servers: int = 1
+    request_timeout: float = 3600.0  # seconds for one generation request
+    request_retries: int = 3  # retries when a server cannot be reached
+    update_weights_timeout: float = 300.0  # seconds for pause + reload + resume per server
+    # Failed episodes (reward raised or timed out, malformed item) are logged and counted;
+    # the run stops once more than this many have failed. -1: never stop for failures.
+    max_failed_episodes: int = 16
+
+    def __post_init__(self) -> None:
+        _check(self.max_head_offpolicyness >= 0,
+               f"rollout.max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}")
+        _check(self.consumer_batch_size >= 1,
+               f"rollout.consumer_batch_size must be >= 1, got {self.consumer_batch_size}")
+        _check(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
+               f"rollout.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts}")
+        _check(self.n_servers >= 1, f"rollout.n_servers must be >= 1, got {self.n_servers}")
+
+    @property
+    def concurrency(self) -> int:
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        return self.consumer_batch_size * (self.max_head_offpolicyness + 1)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    type: Literal["adam"] = "adam"  # AdamW (decoupled weight decay)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps_proportion: float = 0.0  # of the total training steps
+    min_lr_ratio: float = 0.0  # the final lr of linear/cosine decay, as a fraction of lr
+    gradient_clipping: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
+        _check(0 <= self.warmup_steps_proportion < 1,
+               f"optimizer.warmup_steps_proportion must be in [0, 1), got {self.warmup_steps_proportion}")
+
+
+@dataclass(kw_only=True)
+class MicroBatchSpec:
+    # Tokens (padding included) per forward/backward micro-batch; a longer sequence gets
+    # a micro-batch of its own.
+    max_tokens_per_mb: int = 8192
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens_per_mb >= 1, f"mb_spec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
+
+
+@dataclass(kw_only=True)
+class NormConfig:
+    """Normalisation of rewards or advantages: subtract a mean, divide by a std."""
+
+    mean_level: NormLevel = "group"
+    std_level: NormLevel = "group"
+    group_size: Optional[int] = None  # samples per group; None: gconfig.n_samples
+    eps: float = 1e-5
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
+    init_from_scratch: bool = False
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    gradient_checkpointing: bool = False
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # The temperature the behaviour log-probs were computed at (logits / T).
+    temperature: float = 1.0
+    eps_clip: float = 0.2  # PPO clip: ratio in [1 - eps_clip, 1 + eps_clip_higher]
+    eps_clip_higher: Optional[float] = None  # None: eps_clip (symmetric)
+    reward_scaling: float = 1.0  # r <- (r + reward_bias) * reward_scaling
+    reward_bias: float = 0.0
+    reward_norm: Optional[NormConfig] = field(default_factory=NormConfig)
+    adv_norm: Optional[NormConfig] = None
+    ppo_n_minibatches: int = 1  # optimiser steps per training batch
+    # Decoupled PPO: clip policy/proximal, weight by proximal/behaviour (capped).
+    use_decoupled_loss: bool = True
+    recompute_logprob: bool = True  # the trainer recomputes proximal log-probs
+    behav_imp_weight_cap: Optional[float] = 5.0  # tokens above the cap are masked out
+
+    def __post_init__(self) -> None:
+        _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
+        _check(self.eps_clip > 0, f"actor.eps_clip must be > 0, got {self.eps_clip}")
+        _check(self.ppo_n_minibatches >= 1, f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
+        _check(not (self.use_decoupled_loss and not self.recompute_logprob),
+               "actor.use_decoupled_loss=true needs actor.recompute_logprob=true (the proximal "
+               "log-probs are the trainer's recomputation); set one of them accordingly")
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    # A local JSONL file or folder of JSONL files (GSM8K format: question / answer with
+    # "#### N"), an HF dataset id, or "reasoning_gym:<task>" for a generated offline task.
+    path: str = ""
+    type: Literal["rl"] = "rl"
+    batch_size: int = 8  # prompts per training step (or per evaluation batch)
+    shuffle: bool = True
+    max_length: Optional[int] = None  # prompts longer than this (tokens) are dropped
+    size: Optional[int] = None  # keep the first `size` rows (or generate this many tasks)
+    split: str = "train"  # for HF ids and folders holding <split>.jsonl
+    task_kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning-gym task options
+    # reasoning-gym generation seed. Item i of seed s comes from Random(s + i), so train and
+    # validation seeds must differ by more than the dataset size to share no items.
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class WorkflowConfig:
+    type: Literal["rlvr"] = "rlvr"
+    # "gsm8k" (math-verify on "#### N" or \boxed{}), "reasoning_gym" (the task's own scorer),
+    # or "package.module:function" taking (completion, item) -> float.
+    reward_fn: str = "gsm8k"
+    reward_timeout: float = 15.0  # seconds; a reward that takes longer counts as failed
+    system_prompt: Optional[str] = None
+    # Worked examples shown before the question, as chat turns (one-shot prompting).
+    few_shot: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class SaverConfig:
+    """HF-format weights under <run>/checkpoints/step<N>/ (None disables a trigger)."""
+
+    freq_steps: Optional[int] = None
+    freq_epochs: Optional[int] = None
+    freq_secs: Optional[float] = None
+
+
+@dataclass(kw_only=True)
+class RecoverConfig:
+    # disabled: start fresh. auto: resume from <run>/recover/ if a checkpoint is there.
+    # resume: resume, and fail if there is none.
+    mode: Literal["disabled", "auto", "resume"] = "disabled"
+    freq_steps: Optional[int] = None
+    freq_epochs: Optional[int] = None
+    freq_secs: Optional[float] = 3600.0
+
+
+@dataclass(kw_only=True)
+class EvaluatorConfig:
+    """Greedy evaluation on valid_dataset (before training, every freq_steps, after)."""
+
+    freq_steps: Optional[int] = None
+    freq_epochs: Optional[int] = None
+    freq_secs: Optional[float] = None
+    before_training: bool = True
+    after_training: bool = True
+    max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens
+
+
+@dataclass(kw_only=True)
+class StatsLoggerConfig:
+    jsonl: bool = True  # <run>/stats.jsonl
+    tensorboard: bool = True  # <run>/tensorboard/
+    progress_bar: bool = True
+    plot: bool = True  # <run>/reward_curve.png at the end
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    experiment_name: str = "asyncrl"
+    trial_name: str = "trial0"
+    seed: int = 1
+    total_train_epochs: int = 1
+    total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
+    tokenizer_path: str = "${actor.path}"
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    valid_dataset: Optional[DatasetConfig] = None
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.total_train_epochs >= 1, f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
+        _check(self.total_train_steps is None or self.total_train_steps >= 1,
+               f"total_train_steps must be >= 1 or null, got {self.total_train_steps}")
+        _check(bool(self.train_dataset.path), "train_dataset.path is empty: give a JSONL file or "
+               "folder, an HF dataset id, or reasoning_gym:<task>")
+        for name, norm in (("reward_norm", self.actor.reward_norm), ("adv_norm", self.actor.adv_norm)):
+            if norm is None:
+                continue
+            if norm.group_size is None:
+                norm.group_size = self.gconfig.n_samples
+            elif "group" in (norm.mean_level, norm.std_level):
+                _check(norm.group_size == self.gconfig.n_samples,
+                       f"actor.{name}.group_size={norm.group_size} but gconfig.n_samples="
+                       f"{self.gconfig.n_samples}; set actor.{name}.group_size=${{gconfig.n_samples}}")

@@ -1,0 +1,342 @@
+"""The local inference engine: continuous batching over a static slot KV cache.
+
+One thread runs `step()` in a loop. A step (1) applies pending weight updates, (2) admits
+waiting requests into free slots and prefills them together, (3) decodes one token for
+every active sequence in one forward. Requests join and leave between steps.
+
+A weight update does not wait for generations to end: the new weights are read, checked
+and prepared in the caller's thread (decoding goes on meanwhile), then swapped in at the
+next step boundary. In-flight sequences continue under the new weights and their later
+tokens carry the new version. With `recompute_kv_on_update`, their KV cache is recomputed
+first, so every later token is sampled exactly from the new policy.
+
+`step()` can also be driven by hand (without `start()`), which makes tests deterministic.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.inference.model import DTYPES, Transformer, Weights
+from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample
+
+logger = logging.getLogger(__name__)
+
+Callback = Callable[["GenerationResponse | BaseException"], None]
+# Padded tokens per prefill forward: bounds the pause that admitting requests imposes on
+# the sequences already decoding (and the activation memory of one prefill).
+PREFILL_TOKEN_BUDGET = 8192
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenerationRequest
+    on_done: Callback
+    stop: StopChecker
+    t_submit: float
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.req.input_ids) + len(self.output_ids)
+
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose keys and values are in the cache (all but the newest)."""
+        return self.req.input_ids + self.output_ids[:-1]
+
+    def response(self, reason: StopReason) -> GenerationResponse:
+        return GenerationResponse(
+            rid=self.req.rid, input_ids=list(self.req.input_ids), output_ids=self.output_ids,
+            output_logprobs=self.logprobs, output_versions=self.versions, stop_reason=reason,
+            latency_s=time.monotonic() - self.t_submit)
+
+
+def eos_token_ids(path: str, tokenizer) -> list[int]:
+    """The model's EOS ids: the tokenizer's and generation_config.json's (else config.json's)."""
+    ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                ids.update(eos if isinstance(eos, list) else [eos])
+                break
+    return sorted(ids)
+
+
+class LocalEngine:
+    """Continuous-batching generation on our own decoder, with interruptible weight updates."""
+
+    def __init__(self, model_path: str, config: LocalEngineConfig | None = None, *, seed: int = 0,
+                 device: str = "cpu"):
+        from transformers import AutoTokenizer
+
+        from asyncrl.models.hub import resolve_model_path
+
+        self.config = config or LocalEngineConfig()
+        self.model_path = resolve_model_path(model_path)
+        self.model = Transformer.from_pretrained(self.model_path, dtype=DTYPES[self.config.dtype],
+                                                 max_seq_len=self.config.max_seq_len, device=device)
+        self.cache = self.model.new_cache(self.config.max_batch_size, self.config.max_seq_len)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_ids = eos_token_ids(self.model_path, self.tokenizer)
+        self.version = 0
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._active: list[_Seq] = []  # active[i] lives in cache slot i
+        self._sampling: SamplingBatch | None = None  # rebuilt when the active set changes
+        n = self.config.max_batch_size
+        self._last_token = torch.zeros(n, dtype=torch.long, device=device)  # next decode input
+        self._position = torch.zeros(n, dtype=torch.long, device=device)  # its position
+
+        self._updates: list[tuple[Weights, int, concurrent.futures.Future]] = []
+        self._paused = False
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._step_lock = threading.Lock()  # held for the whole of a step
+        self._thread: threading.Thread | None = None
+
+    # ---- public API (any thread) -------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the scheduling loop in a daemon thread."""
+        self._thread = threading.Thread(target=self._loop, name="asyncrl-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the loop; requests still queued or running fail with RuntimeError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error = RuntimeError("the inference engine was shut down")
+        with self._cond:
+            updates, self._updates = self._updates, []
+        for _, _, done in updates:
+            done.set_exception(error)
+        self._fail_all(error)
+
+    def submit(self, req: GenerationRequest, on_done: Callback) -> None:
+        """Queue `req`; `on_done` later gets its response or exception, from the engine thread."""
+        self._check_request(req)
+        seq = _Seq(req=req, on_done=on_done, t_submit=time.monotonic(),
+                   stop=StopChecker(req.sampling, self.eos_ids, self._decode_text))
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the inference engine was shut down")
+            self._waiting.append(seq)
+            self._cond.notify_all()
+
+    def generate(self, req: GenerationRequest, timeout: float | None = None) -> GenerationResponse:
+        """Submit and block until done (needs `start()`, or another thread calling `step()`)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.submit(req, lambda r: fut.set_exception(r) if isinstance(r, BaseException)
+                    else fut.set_result(r))
+        return fut.result(timeout)
+
+    def pause(self) -> None:
+        """Stop decode steps; returns once the step in progress (if any) has ended."""
+        with self._cond:
+            self._paused = True
+        with self._step_lock:
+            pass
+
+    def resume(self) -> None:
+        """Continue decoding after `pause`."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Load the safetensors folder `path` as weight version `version` at the next step boundary.
+
+        The new weights are read and prepared in the calling thread while decoding goes on;
+        only the swap waits for the step boundary. Raises (CheckpointError, OSError) without
+        touching the weights or the version if the folder does not fit.
+        """
+        weights = self.model.read_weights(path)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._updates.append((weights, version, done))
+            self._cond.notify_all()
+        if self._thread is None:  # driven by hand: between two step() calls is a boundary
+            with self._step_lock:
+                self._apply_updates()
+        done.result()
+
+    def stats(self) -> dict:
+        """Counts for /health: running and waiting requests, paused flag, weight version."""
+        with self._cond:
+            return {"version": self.version, "running": len(self._active),
+                    "waiting": len(self._waiting), "paused": self._paused}
+
+    # ---- the loop (engine thread) -----------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._updates and (
+                        self._paused or not (self._waiting or self._active)):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a bug in a step must not hang every caller: fail them
+                logger.exception("inference step failed; failing all requests")
+                self._fail_all(e)
+
+    def step(self) -> None:
+        """One scheduling iteration: apply weight updates, admit waiting requests, decode once."""
+        with self._step_lock:
+            self._apply_updates()
+            if self._paused:
+                return
+            self._admit()
+            if self._active:
+                self._decode_step()
+
+    def _apply_updates(self) -> None:
+        with self._cond:
+            updates, self._updates = self._updates, []
+        for weights, version, done in updates:
+            self.model.w = weights
+            self.version = version
+            if self.config.recompute_kv_on_update and self._active:
+                self._prefill(self._active, 0, [s.kv_tokens() for s in self._active])
+            done.set_result(None)
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots and prefill them in one padded batch."""
+        with self._cond:
+            free = self.config.max_batch_size - len(self._active)
+            new: list[_Seq] = []
+            width = 0
+            while self._waiting and len(new) < free:
+                width_next = max(width, len(self._waiting[0].req.input_ids))
+                if new and width_next * (len(new) + 1) > PREFILL_TOKEN_BUDGET:
+                    break
+                new.append(self._waiting.popleft())
+                width = width_next
+        if not new:
+            return
+        start = len(self._active)
+        self._active.extend(new)
+        self._sampling = None
+        logits = self._prefill(new, start, [s.req.input_ids for s in new])
+        sb = SamplingBatch.from_params([s.req.sampling for s in new], self.device)
+        tokens, logprobs = sample(logits, sb, self._generator)
+        self._last_token[start:start + len(new)] = tokens
+        self._position[start:start + len(new)] = torch.tensor(
+            [len(s.req.input_ids) for s in new], device=self.device)
+        self._record(start, tokens, logprobs)
+
+    def _prefill(self, seqs: list[_Seq], start: int, token_lists: list[list[int]]) -> torch.Tensor:
+        """Prefill `token_lists` into slots start.., in budget-sized chunks; last logits [n, V]."""
+        out, i = [], 0
+        while i < len(seqs):
+            j, width = i + 1, len(token_lists[i])
+            while j < len(seqs):
+                wider = max(width, len(token_lists[j]))
+                if wider * (j + 1 - i) > PREFILL_TOKEN_BUDGET:
+                    break
+                width, j = wider, j + 1
+            chunk = token_lists[i:j]
+            tokens = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, toks in enumerate(chunk):
+                tokens[r, :len(toks)] = torch.tensor(toks)
+            lengths = torch.tensor([len(t) for t in chunk])
+            out.append(self.model.prefill(tokens.to(self.device), lengths.to(self.device),
+                                          self.cache, start + i))
+            i = j
+        return torch.cat(out)
+
+    def _decode_step(self) -> None:
+        n = len(self._active)
+        if self._sampling is None:
+            params = [s.req.sampling for s in self._active]
+            self._sampling = SamplingBatch.from_params(params, self.device)
+        kv_len = max(s.n_tokens for s in self._active)  # positions so far, newest token included
+        logits = self.model.decode(self._last_token[:n], self._position[:n], self.cache, kv_len)
+        tokens, logprobs = sample(logits, self._sampling, self._generator)
+        self._last_token[:n] = tokens
+        self._position[:n] += 1
+        self._record(0, tokens, logprobs)
+
+    def _record(self, start: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append the sampled tokens to sequences start.. and retire those that stop."""
+        finished: list[tuple[int, StopReason]] = []
+        for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist()), start):
+            seq = self._active[i]
+            seq.output_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.version)
+            if seq.stop.is_stop(seq.output_ids):
+                finished.append((i, StopReason.STOP))
+            elif (len(seq.output_ids) >= seq.req.sampling.max_new_tokens
+                  or seq.n_tokens >= self.config.max_seq_len):
+                finished.append((i, StopReason.LENGTH))
+        # Highest slot first: the last active sequence moved into a freed slot is then
+        # always one that is not finishing.
+        for i, reason in reversed(finished):
+            seq = self._retire(i)
+            seq.on_done(seq.response(reason))
+
+    def _retire(self, i: int) -> _Seq:
+        """Free slot i; the last active sequence moves into it to keep slots 0..n-1 dense."""
+        seq, last = self._active[i], len(self._active) - 1
+        if i != last:
+            moved = self._active[last]
+            self.cache.move(last, i, moved.n_tokens - 1)
+            self._last_token[i] = self._last_token[last]
+            self._position[i] = self._position[last]
+            self._active[i] = moved
+        self._active.pop()
+        self._sampling = None
+        return seq
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _check_request(self, req: GenerationRequest) -> None:
+        n, vocab = len(req.input_ids), self.model.cfg.vocab_size
+        if n == 0:
+            raise ValueError("input_ids is empty")
+        if n >= self.config.max_seq_len:
+            raise ValueError(f"input_ids has {n} tokens; max_seq_len={self.config.max_seq_len} "
+                             "leaves no room to generate")
+        bad = [t for t in req.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            seqs = list(self._waiting) + self._active
+            self._waiting.clear()
+            self._active = []
+            self._sampling = None
+        for seq in seqs:
+            seq.on_done(error)

@@ -1,0 +1,245 @@
+"""HTTP server around `LocalEngine` (aiohttp).
+
+    python -m asyncrl.inference.server --model smollm2-135m-instruct --port 8000
+
+Endpoints: POST /generate, /pause, /resume, /update_weights; GET /health, /version.
+If $ASYNCRL_API_KEY is set, every endpoint but /health needs `Authorization: Bearer <key>`.
+Handlers never run model code: /generate awaits a future that the engine thread resolves
+(via call_soon_threadsafe); blocking engine calls run in the default executor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from aiohttp import web
+
+from asyncrl.api.types import GenerationRequest, SamplingParams
+from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.inference.engine import LocalEngine
+
+logger = logging.getLogger(__name__)
+_SAMPLING_FIELDS = {f.name: f.type for f in fields(SamplingParams)}
+
+
+class BadRequest(ValueError):
+    """A request body that does not match the endpoint's schema."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(_is_int(t) for t in x)
+
+
+def parse_generation_request(body: Any) -> GenerationRequest:
+    """Validate a /generate body; BadRequest names the offending field."""
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    unknown = set(body) - {"rid", "input_ids", "sampling"}
+    if unknown:
+        raise BadRequest(f"unknown fields {sorted(unknown)}")
+    if not _is_int_list(body.get("input_ids")) or not body["input_ids"]:
+        raise BadRequest("input_ids must be a non-empty list of integers")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest("rid must be a string")
+    sampling = body.get("sampling", {})
+    if not isinstance(sampling, dict):
+        raise BadRequest("sampling must be an object")
+    for key, value in sampling.items():
+        if key not in _SAMPLING_FIELDS:
+            raise BadRequest(
+                f"sampling.{key} is not a sampling parameter ({sorted(_SAMPLING_FIELDS)})")
+        ok = {"max_new_tokens": _is_int(value), "top_k": _is_int(value),
+              "temperature": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "top_p": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "stop_token_ids": _is_int_list(value),
+              "stop": isinstance(value, list) and all(isinstance(s, str) for s in value),
+              "ignore_eos": isinstance(value, bool)}[key]
+        if not ok:
+            raise BadRequest(f"sampling.{key} has the wrong type: {value!r}")
+    try:
+        params = SamplingParams(**sampling)  # range checks; messages name the field
+    except ValueError as e:
+        raise BadRequest(f"sampling: {e}") from None
+    extra = {"rid": rid} if rid else {}
+    return GenerationRequest(input_ids=body["input_ids"], sampling=params, **extra)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from None
+
+
+def _settle(fut: asyncio.Future, result: Any) -> None:
+    if fut.done():  # the handler went away
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)
+
+
+class InferenceServer:
+    """The aiohttp application of one engine."""
+
+    def __init__(self, engine: LocalEngine, *, model_name: str, api_key: str | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.app = web.Application(middlewares=[self._auth, self._errors])
+        self.app.add_routes([
+            web.post("/generate", self.generate), web.post("/pause", self.pause),
+            web.post("/resume", self.resume), web.post("/update_weights", self.update_weights),
+            web.get("/health", self.health), web.get("/version", self.version),
+        ])
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(400, str(e))
+
+    async def generate(self, request: web.Request) -> web.Response:
+        req = parse_generation_request(await _json_body(request))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        try:
+            self.engine.submit(req, lambda r: loop.call_soon_threadsafe(_settle, fut, r))
+        except ValueError as e:  # prompt too long, ids outside the vocabulary
+            raise BadRequest(str(e)) from None
+        try:
+            resp = await fut
+        except RuntimeError as e:  # the engine shut down
+            return _error(503, f"generation failed: {e}")
+        except Exception as e:  # a failed engine step: report it rather than a bare 500
+            return _error(500, f"generation failed: {type(e).__name__}: {e}")
+        return web.json_response(resp.to_dict())
+
+    async def pause(self, request: web.Request) -> web.Response:
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.pause)
+        return web.json_response({"paused": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        return web.json_response({"paused": False})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+            raise BadRequest("path must be a string (a folder of *.safetensors)")
+        if not _is_int(body.get("version")):
+            raise BadRequest("version must be an integer")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.engine.update_weights, body["path"],
+                                       body["version"])
+        except (OSError, ValueError) as e:  # unreadable folder, CheckpointError
+            return _error(400, f"weight update to version {body['version']} failed: {e}")
+        return web.json_response({"version": self.engine.version})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.model_name, **self.engine.stats()})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.engine.version})
+
+
+async def run_server(engine: LocalEngine, *, host: str, port: int, model_name: str,
+                     api_key: str | None, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Signal handlers can only be installed from the main thread (tests serve from others).
+    in_main = threading.current_thread() is threading.main_thread()
+    signals = (signal.SIGTERM, signal.SIGINT) if in_main else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(InferenceServer(engine, model_name=model_name, api_key=api_key).app,
+                           access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    bound = runner.addresses[0]
+    # Parsed by callers that start the server with --port 0.
+    print(f"asyncrl inference server listening on http://{bound[0]}:{bound[1]}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        engine.close()  # fails requests in flight, so their handlers answer before cleanup
+        await runner.cleanup()
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
+          config: LocalEngineConfig | None = None, seed: int = 0, threads: int | None = None,
+          api_key: str | None = None) -> None:
+    """Load `model` (a name or HF folder), start the engine and serve HTTP until signalled."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    engine = LocalEngine(model, config, seed=seed)
+    engine.start()
+    asyncio.run(run_server(engine, host=host, port=port, model_name=model, api_key=api_key))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line of `python -m asyncrl.inference.server`."""
+    p = argparse.ArgumentParser(prog="python -m asyncrl.inference.server",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True,
+                   help="HF folder or named model (e.g. smollm2-135m-instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--max-batch-size", type=int, default=LocalEngineConfig.max_batch_size)
+    p.add_argument("--max-seq-len", type=int, default=LocalEngineConfig.max_seq_len)
+    p.add_argument("--no-recompute-kv-on-update", action="store_true",
+                   help="keep the stale KV cache of in-flight sequences after a weight update")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI entry point; the API key comes from $ASYNCRL_API_KEY."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    config = LocalEngineConfig(dtype=args.dtype, max_batch_size=args.max_batch_size,
+                               max_seq_len=args.max_seq_len,
+                               recompute_kv_on_update=not args.no_recompute_kv_on_update)
+    serve(args.model, host=args.host, port=args.port, config=config, seed=args.seed,
+          threads=args.threads, api_key=os.environ.get("ASYNCRL_API_KEY") or None)
+
+
+if __name__ == "__main__":
+    main()

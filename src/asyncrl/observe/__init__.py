@@ -1,0 +1,7 @@
+"""Observability: stats loggers, progress bar, plots."""
+
+from asyncrl.observe.plot import plot_reward_curve
+from asyncrl.observe.progress import ProgressBar
+from asyncrl.observe.stats import StatsLogger, read_stats
+
+__all__ = ["ProgressBar", "StatsLogger", "plot_reward_curve", "read_stats"]

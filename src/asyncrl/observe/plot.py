@@ -1,0 +1,47 @@
+"""The reward curve of a run, from its stats.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncrl.observe.stats import read_stats
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_reward_curve(stats_path: Path, out_path: Path, *, title: str = "") -> Path:
+    """Training reward per step (raw and smoothed) and held-out reward at each evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_stats(stats_path)
+    train = [r for r in rows if r["kind"] == "train" and r.get("rollout/reward") is not None]
+    evals = [r for r in rows if r["kind"] == "eval" and r.get("eval/reward") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        steps = [r["step"] for r in train]
+        rewards = [r["rollout/reward"] for r in train]
+        ax.plot(steps, rewards, color="tab:blue", alpha=0.3, label="train reward")
+        ax.plot(steps, _smooth(rewards, 5), color="tab:blue", label="train reward (5-step mean)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-",
+                color="tab:red", label="held-out reward (greedy)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward")
+    ax.set_title(title or "reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path

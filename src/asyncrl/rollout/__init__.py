@@ -1,0 +1,7 @@
+"""Rollout: the staleness bound and the controller that runs episodes asynchronously."""
+
+from asyncrl.rollout.controller import Episode, RolloutController, RolloutError
+from asyncrl.rollout.evaluate import evaluate
+from asyncrl.rollout.staleness import StalenessManager
+
+__all__ = ["Episode", "RolloutController", "RolloutError", "StalenessManager", "evaluate"]

@@ -1,0 +1,297 @@
+"""The rollout side of the controller: episodes run on an asyncio loop in their own thread.
+
+The loop submits episodes while the staleness manager allows it, runs each through the
+workflow, and keeps finished ones in a buffer. The trainer thread calls `next_batch()`,
+which returns B episodes (each a group of trajectories), oldest first.
+
+Episodes finish out of order, so taking whatever finished first could let a slow episode
+outlive its bound. An episode started at version s must be trained by step s + eta (its
+deadline). `next_batch()` at version k takes the B oldest finished episodes only if what is
+left can still meet every deadline: nothing left due at k, and for each k < j < k + eta at
+most (j - k) * B left episodes due by j. Later deadlines are met by construction: the
+admission rule of DESIGN.md §5 allows at most (j + 1) * B episodes due by j, ever. Otherwise
+it waits for the stragglers. So every trajectory of every batch has k - start_version <= eta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.api import Batch, InferenceEngine, Trajectory, Workflow
+from asyncrl.rollout.staleness import StalenessManager
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollout side cannot deliver batches (too many failed episodes, or a crash)."""
+
+
+@dataclass
+class Episode:
+    seq: int  # submission order
+    start_version: int
+    trajectories: list[Trajectory]
+
+
+@dataclass
+class _Running:
+    item: dict[str, Any]
+    start_version: int
+    task: asyncio.Task | None = None
+
+
+class RolloutController:
+    """Runs episodes continuously under the staleness bound; hands out training batches."""
+
+    def __init__(self, engine: InferenceEngine, workflow: Workflow, stream: Any, *,
+                 consumer_batch_size: int, max_head_offpolicyness: int,
+                 max_concurrent_rollouts: int, max_failed_episodes: int = 16) -> None:
+        self.engine = engine
+        self.workflow = workflow
+        self.stream = stream  # an ItemStream: next(), state_dict(), load_state_dict()
+        self.eta = max_head_offpolicyness
+        self.batch_size = consumer_batch_size
+        self.max_failed_episodes = max_failed_episodes
+        self.staleness = StalenessManager(consumer_batch_size, max_head_offpolicyness,
+                                          max_concurrent_rollouts)
+        self._cond = threading.Condition()  # guards everything below
+        self._version = 0
+        self._buffer: list[Episode] = []
+        self._pending: deque[dict[str, Any]] = deque()  # items to submit before new ones
+        self._running: dict[int, _Running] = {}
+        self._next_seq = 0
+        self._failures: list[str] = []
+        self._counts = {"episodes_failed": 0, "episodes_rejected": 0, "episodes_accepted": 0}
+        self._paused = False
+        self._stopping = False
+        self._crash: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (trainer thread) -------------------------------------------------
+    def start(self, *, paused: bool = False) -> None:
+        """Start the rollout thread; episodes begin at once unless `paused`."""
+        self._paused = paused
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, args=(ready,),
+                                        name="rollout", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel running episodes and stop the thread."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+        self._poke()
+        self._thread.join(timeout)
+        self._thread = None
+
+    def run_coroutine(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run `coro` on the rollout loop (shares its HTTP sessions) and wait for the result."""
+        if self._loop is None:
+            raise RuntimeError("rollout controller is not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def set_version(self, version: int) -> None:
+        """The servers now hold weights `version`: more episodes may start."""
+        with self._cond:
+            self._version = version
+        self._poke()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        """Submit no new episodes (running ones continue)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+        self._poke()
+
+    # ---- the trainer's side ---------------------------------------------------------
+    def next_batch(self, timeout: float | None = None) -> tuple[Batch, dict[str, float]]:
+        """B episodes for training at the current version, oldest first, and their stats."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._batch_ready():
+                self._raise_if_broken()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no training batch within {timeout} s "
+                                       f"({len(self._buffer)}/{self.batch_size} episodes ready)")
+                self._cond.wait(timeout=0.5)
+            episodes, self._buffer = self._buffer[: self.batch_size], self._buffer[self.batch_size:]
+            stats = self._batch_stats(episodes, self._version)
+        self._poke()
+        return Batch([t for e in episodes for t in e.trajectories]), stats
+
+    def _batch_ready(self) -> bool:
+        """Whether the B oldest finished episodes leave every other deadline reachable."""
+        if len(self._buffer) < self.batch_size:
+            return False
+        self._buffer.sort(key=lambda e: (e.start_version, e.seq))
+        left = sorted([e.start_version for e in self._buffer[self.batch_size:]]
+                      + [r.start_version for r in self._running.values()])
+        k, B = self._version, self.batch_size
+        # left[i] is the (i+1)-th earliest start; its deadline is left[i] + eta.
+        return all(i + 1 <= (start + self.eta - k) * B for i, start in enumerate(left)
+                   if start + self.eta < k + self.eta)
+
+    def _raise_if_broken(self) -> None:
+        if self._crash is not None:
+            raise RolloutError(f"the rollout thread crashed: {self._crash!r}") from self._crash
+        if self._thread is None:
+            raise RolloutError("the rollout controller is not running")
+        failed = self._counts["episodes_failed"]
+        if 0 <= self.max_failed_episodes < failed:
+            recent = "\n  ".join(self._failures[-3:])
+            raise RolloutError(
+                f"{failed} episodes failed (rollout.max_failed_episodes="
+                f"{self.max_failed_episodes}); the last ones:\n  {recent}")
+
+    def _batch_stats(self, episodes: list[Episode], version: int) -> dict[str, float]:
+        trajs = [t for e in episodes for t in e.trajectories]
+        staleness = [version - e.start_version for e in episodes]
+        n_out = [t.n_output_tokens for t in trajs]
+        mixed = [len(set(t.output_versions)) > 1 for t in trajs]
+        return {
+            "rollout/reward": sum(t.reward for t in trajs) / len(trajs),
+            "rollout/staleness_mean": sum(staleness) / len(staleness),
+            "rollout/staleness_max": float(max(staleness)),
+            "rollout/output_tokens_mean": sum(n_out) / len(n_out),
+            "rollout/output_tokens": float(sum(n_out)),
+            "rollout/frac_multi_version": sum(mixed) / len(mixed),
+            "rollout/frac_truncated": sum(t.stop_reason.value == "length" for t in trajs) / len(trajs),
+            "rollout/running": float(self.staleness.running),
+            "rollout/buffered": float(len(self._buffer)),
+            **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
+        }
+
+    # ---- exact resume ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, data position, finished and in-flight work (re-run after a resume)."""
+        with self._cond:
+            return {
+                "version": self._version,
+                "staleness": self.staleness.state_dict(),
+                "stream": self.stream.state_dict(),
+                "pending": list(self._pending) + [r.item for _, r in sorted(self._running.items())],
+                "buffer": list(self._buffer),
+                "next_seq": self._next_seq,
+                "counts": dict(self._counts),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load the rollout state before start()")
+        self._version = state["version"]
+        self.staleness.load_state_dict(state["staleness"])
+        self.stream.load_state_dict(state["stream"])
+        self._pending = deque(state["pending"])
+        self._buffer = list(state["buffer"])
+        self._next_seq = state["next_seq"]
+        self._counts.update(state["counts"])
+
+    # ---- the rollout thread ---------------------------------------------------------
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
+    def _thread_main(self, ready: threading.Event) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main(ready))
+        except BaseException as err:  # noqa: BLE001 - reported to the trainer by next_batch
+            logger.exception("rollout thread crashed")
+            with self._cond:
+                self._crash = err
+                self._cond.notify_all()
+        finally:
+            ready.set()
+            self._loop.close()
+
+    async def _main(self, ready: threading.Event) -> None:
+        self._wake = asyncio.Event()
+        ready.set()
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        break
+                    self._submit_allowed()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
+        finally:
+            tasks = [r.task for r in self._running.values() if r.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.engine.close()
+
+    def _submit_allowed(self) -> None:
+        """Start as many episodes as the staleness bound allows (holding the lock)."""
+        if self._paused:
+            return
+        for _ in range(self.staleness.capacity(self._version)):
+            item = self._pending.popleft() if self._pending else self.stream.next()
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            running = _Running(item=item, start_version=self._version)
+            self._running[seq] = running
+            self.staleness.on_submit()
+            running.task = asyncio.get_running_loop().create_task(self._run_episode(seq, running))
+
+    async def _run_episode(self, seq: int, running: _Running) -> None:
+        t0 = time.monotonic()
+        try:
+            trajectories = await self.workflow.run(self.engine, running.item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - counted, logged with its input, reported
+            self._on_failure(seq, running, err)
+            return
+        with self._cond:
+            del self._running[seq]
+            if not trajectories:
+                self.staleness.on_reject()
+                self._counts["episodes_rejected"] += 1
+            else:
+                for t in trajectories:
+                    t.meta.update(start_version=running.start_version,
+                                  finish_version=self._version,
+                                  episode_seq=seq, episode_time_s=time.monotonic() - t0)
+                self._buffer.append(Episode(seq, running.start_version, trajectories))
+                self.staleness.on_accept()
+                self._counts["episodes_accepted"] += 1
+            self._cond.notify_all()
+        self._wake.set()
+
+    def _on_failure(self, seq: int, running: _Running, err: Exception) -> None:
+        item_id = running.item.get("id", "?") if isinstance(running.item, dict) else "?"
+        message = f"item {item_id}: {type(err).__name__}: {err}"
+        logger.error("episode failed: %s", message)
+        with self._cond:
+            del self._running[seq]
+            self.staleness.on_reject()
+            self._counts["episodes_failed"] += 1
+            self._failures.append(message)
+            self._cond.notify_all()
+        self._wake.set()

@@ -1,0 +1,38 @@
+"""Held-out evaluation: run a (greedy) workflow over items, report the mean reward."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from asyncrl.api import InferenceEngine, Workflow
+
+logger = logging.getLogger(__name__)
+
+
+async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict[str, Any]], *,
+                   concurrency: int) -> dict[str, float]:
+    """Mean reward of `workflow` over `items`; failed items are counted, logged and excluded."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(item: dict[str, Any]):
+        async with sem:
+            return await workflow.run(engine, item)
+
+    results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+    trajectories, failures = [], 0
+    for item, result in zip(items, results):
+        if isinstance(result, BaseException):
+            failures += 1
+            logger.error("evaluation of item %s failed: %r", item.get("id", "?"), result)
+        elif result:
+            trajectories.extend(result)
+    if not trajectories:
+        raise RuntimeError(f"evaluation failed on all {len(items)} items; see the log for causes")
+    return {
+        "eval/reward": sum(t.reward for t in trajectories) / len(trajectories),
+        "eval/n": float(len(trajectories)),
+        "eval/failed": float(failures),
+        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(trajectories),
+    }

@@ -1,0 +1,1 @@
+"""Training loops: `rl` (the asynchronous PPO family)."""

@@ -1,0 +1,193 @@
+"""Asynchronous RL (the PPO family): the training loop.
+
+The rollout thread generates continuously under the staleness bound; this loop takes a
+batch, recomputes the proximal log-probs, computes advantages, takes an optimiser step,
+publishes the new weights to the servers (which switch mid-generation) and logs.
+`RLTrainer.train` is the whole loop; everything it calls is built in `__init__`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn
+from asyncrl.api import Batch, TensorBatch
+from asyncrl.config import ExperimentConfig, to_yaml
+from asyncrl.data import ItemStream, load_dataset
+from asyncrl.inference import RemoteInferenceEngine
+from asyncrl.models.hub import resolve_model_path
+from asyncrl.observe import ProgressBar, StatsLogger, plot_reward_curve
+from asyncrl.rollout import RolloutController, evaluate
+from asyncrl.scheduler import LocalScheduler
+from asyncrl.trainers import recover
+from asyncrl.trainers.paths import RunPaths, setup_logging
+from asyncrl.trainers.periodic import Periodic
+from asyncrl.training import FSDPTrainEngine
+from asyncrl.weights import WeightPublisher
+from asyncrl.workflows import RLVRWorkflow
+
+logger = logging.getLogger(__name__)
+
+
+def train(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Run asynchronous RL as `cfg` says; returns the summary (evaluations, run dir)."""
+    paths = RunPaths.from_config(cfg)
+    setup_logging(paths.root)
+    (paths.root / "config.yaml").write_text(to_yaml(cfg))
+    with LocalScheduler(cfg.scheduler, paths.logs) as scheduler:
+        model_path = resolve_model_path(cfg.actor.path)
+        addresses = scheduler.launch_inference_servers(
+            model_path, cfg.local_engine, n_servers=cfg.rollout.n_servers, seed=cfg.seed)
+        scheduler.pin_trainer()
+        trainer = RLTrainer(cfg, paths, model_path, addresses)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
+
+
+class RLTrainer:
+    def __init__(self, cfg: ExperimentConfig, paths: RunPaths, model_path: str,
+                 addresses: list[str]) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg, self.paths = cfg, paths
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine = RemoteInferenceEngine(
+            addresses, request_timeout=cfg.rollout.request_timeout,
+            request_retries=cfg.rollout.request_retries,
+            update_weights_timeout=cfg.rollout.update_weights_timeout)
+        self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
+        train_items = load_dataset(cfg.train_dataset)
+        B = cfg.rollout.consumer_batch_size
+        steps_per_epoch = len(train_items) // B
+        if steps_per_epoch == 0:
+            raise ValueError(f"train_dataset has {len(train_items)} items, fewer than one batch "
+                             f"(rollout.consumer_batch_size={B})")
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = min(cfg.total_train_epochs * steps_per_epoch,
+                               cfg.total_train_steps or 10**12)
+        self.rollout = RolloutController(
+            self.engine, self.workflow, ItemStream(train_items, shuffle=cfg.train_dataset.shuffle,
+                                                   seed=cfg.seed),
+            consumer_batch_size=B, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+            max_concurrent_rollouts=cfg.rollout.concurrency,
+            max_failed_episodes=cfg.rollout.max_failed_episodes)
+        self.valid_items = load_dataset(cfg.valid_dataset) if cfg.valid_dataset else []
+        self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
+        self.actor = FSDPTrainEngine(cfg.actor, total_steps=self.total_steps, seed=cfg.seed)
+        self.actor.initialize()
+        self.loss_fn = make_ppo_loss_fn(cfg.actor)
+        self.publisher = WeightPublisher(paths.weights, self.engine,
+                                         dtype=cfg.local_engine.dtype, run=self.rollout.run_coroutine)
+        self.stats = StatsLogger(paths.root, cfg.stats_logger,
+                                 resume=recover.has_checkpoint(paths.recover))
+        self.saver = Periodic(cfg.saver, steps_per_epoch)
+        self.checkpointer = Periodic(cfg.recover, steps_per_epoch)
+        self.evaluator = Periodic(cfg.evaluator, steps_per_epoch)
+        self.summary: dict[str, Any] = {"run_dir": str(paths.root)}
+
+    def train(self) -> dict[str, Any]:
+        """The loop: batch -> proximal log-probs -> advantages -> step -> publish -> log."""
+        step = self._restore()
+        self.rollout.start(paused=True)
+        if step > 0:  # the servers start from the base model: give them the resumed weights
+            self.publisher.publish(self.actor, version=step)
+        elif self.cfg.evaluator.before_training and self.valid_items:
+            self._evaluate(step, "eval_before")
+        self.rollout.resume()
+        bar = ProgressBar(self.total_steps, initial=step, enabled=self.cfg.stats_logger.progress_bar)
+        while step < self.total_steps:
+            t0 = time.monotonic()
+            batch, stats = self.rollout.next_batch()
+            t1 = time.monotonic()
+            stats |= self._train_step(batch)
+            t2 = time.monotonic()
+            stats |= self.publisher.publish(self.actor, version=step + 1)
+            self.rollout.set_version(step + 1)
+            step += 1
+            stats |= _perf_stats(batch, t0, t1, t2, time.monotonic())
+            self.stats.log(step, stats)
+            bar.update(stats)
+            self._periodic(step)
+        bar.close()
+        self.rollout.pause()
+        if self.cfg.evaluator.after_training and self.valid_items:
+            self._evaluate(step, "eval_after")
+        self._finish()
+        return self.summary
+
+    def _train_step(self, batch: Batch) -> dict[str, float]:
+        tb = batch.to_tensors(self.tokenizer.pad_token_id or 0)
+        if self.cfg.actor.recompute_logprob:
+            tb.prox_logprobs = self.actor.compute_logprobs(tb)
+        tb.advantages = compute_advantages(tb, self.cfg.actor)
+        stats: dict[str, float] = {}
+        for minibatch in _split(tb, self.cfg.actor.ppo_n_minibatches):
+            stats = self.actor.train_batch(minibatch, self.loss_fn)
+        return {f"train/{k}": v for k, v in stats.items()}
+
+    def _periodic(self, step: int) -> None:
+        now = time.monotonic()
+        if self.saver.due(step, now) or (step == self.total_steps and self.saver.enabled):
+            self.actor.save_hf(str(self.paths.checkpoints / f"step{step}"))
+        if self.cfg.recover.mode != "disabled" and self.checkpointer.due(step, now):
+            recover.save_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout,
+                                    trainer_state={"step": step})
+        if self.valid_items and self.evaluator.due(step, now) and step < self.total_steps:
+            self._evaluate(step, f"eval_step{step}")
+
+    def _evaluate(self, step: int, name: str) -> None:
+        stats = self.rollout.run_coroutine(evaluate(
+            self.engine, self.eval_workflow, self.valid_items,
+            concurrency=self.cfg.local_engine.max_batch_size))
+        self.stats.log(step, stats, kind="eval")
+        self.summary[name] = stats["eval/reward"]
+        logger.info("%s: held-out reward %.4f over %d items (step %d)",
+                       name, stats["eval/reward"], int(stats["eval/n"]), step)
+
+    def _restore(self) -> int:
+        mode = self.cfg.recover.mode
+        if mode == "disabled" or (mode == "auto" and not recover.has_checkpoint(self.paths.recover)):
+            return 0
+        state = recover.load_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout)
+        step = state["step"]
+        logger.info("resumed from %s at step %d", self.paths.recover, step)
+        return step
+
+    def _finish(self) -> None:
+        self.stats.close()
+        if self.cfg.stats_logger.plot and self.cfg.stats_logger.jsonl:
+            png = plot_reward_curve(self.paths.root / "stats.jsonl",
+                                    self.paths.root / "reward_curve.png",
+                                    title=f"{self.cfg.experiment_name}/{self.cfg.trial_name}")
+            self.summary["reward_curve"] = str(png)
+        self.summary["stats"] = str(self.paths.root / "stats.jsonl")
+
+    def close(self) -> None:
+        self.rollout.stop()
+        self.workflow.reward.close()
+        self.stats.close()
+        self.actor.destroy()
+
+
+def _split(tb: TensorBatch, n: int) -> list[TensorBatch]:
+    """`n` minibatches of consecutive rows (groups stay together when B is a multiple)."""
+    rows = len(tb)
+    bounds = [round(i * rows / n) for i in range(n + 1)]
+    return [tb.select(list(range(a, b))) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _perf_stats(batch: Batch, t0: float, t1: float, t2: float, t3: float) -> dict[str, float]:
+    tokens = sum(t.n_tokens for t in batch)
+    return {
+        "perf/wait_batch_s": t1 - t0,
+        "perf/train_s": t2 - t1,
+        "perf/publish_s": t3 - t2,
+        "perf/step_s": t3 - t0,
+        "perf/trained_tokens": float(tokens),
+        "perf/trained_tokens_per_s": tokens / max(t3 - t0, 1e-9),
+    }

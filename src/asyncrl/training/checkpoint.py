@@ -1,0 +1,110 @@
+"""Saving the trained model: HF folders (for inference servers) and resumable train state.
+
+HF folders hold full, unsharded weights under HF parameter names; the train state is a
+`torch.distributed.checkpoint` folder (sharded, reloadable at another world size) plus one
+small file per rank for the scheduler, step count and RNG.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+WEIGHTS_FILE = "model.safetensors"  # the name transformers and vLLM look for
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another parameter under a second name (tied embeddings).
+
+    transformers re-ties them when loading, and safetensors refuses shared tensors, so
+    they are left out of saved weights.
+    """
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.add(name)
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def full_state_dict(model: torch.nn.Module, *, prefix: str, drop: set[str],
+                    dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of `model`'s weights, keys without `prefix` (a collective)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)  # empty off rank 0
+    out = {}
+    for key in list(state):
+        value = state.pop(key)  # frees each gathered tensor once it is copied
+        if not key.startswith(prefix):
+            raise ValueError(f"state-dict key {key!r} does not start with {prefix!r}")
+        name = key[len(prefix):]
+        if name in drop:
+            continue
+        # A copy: on one CPU rank the gathered tensor can be the live parameter itself.
+        out[name] = value.to(dtype=dtype, copy=True).contiguous()
+    return out
+
+
+def write_hf_folder(path: str | os.PathLike, weights: dict[str, torch.Tensor], config: Any,
+                    tokenizer: Any, generation_config: Any | None = None) -> None:
+    """Write safetensors weights, config (its dtype set to the weights') and tokenizer."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = copy.deepcopy(config)
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = dtypes.pop()  # vLLM's dtype="auto" reads this
+    config.save_pretrained(out)
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _extra_file(path: Path, rank: int) -> Path:
+    return path / f"extra_rank{rank}.pt"
+
+
+def save_train_state(path: str | os.PathLike, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+    """Model and optimiser as a sharded DCP checkpoint; `extra` (scheduler, RNG...) per rank."""
+    out = Path(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
+    torch.save(extra, _extra_file(out, dist.get_rank()))
+    dist.barrier()
+
+
+def load_train_state(path: str | os.PathLike, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load what `save_train_state` wrote into `model` and `optimizer`; returns this rank's extra.
+
+    A rank that did not exist when saving (a larger world) gets rank 0's extra.
+    """
+    src = Path(path)
+    if not (src / ".metadata").exists():
+        raise FileNotFoundError(f"{src} is not a train-state checkpoint (no .metadata file)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(src))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    extra_file = _extra_file(src, dist.get_rank())
+    if not extra_file.exists():
+        extra_file = _extra_file(src, 0)
+    return torch.load(extra_file, weights_only=True)

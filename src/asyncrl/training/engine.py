@@ -1,0 +1,343 @@
+"""The FSDP2 train engine: token log-probs, one optimiser step per batch, saving.
+
+Data parallelism: every rank passes the same full batch; the engine takes its own rows
+(balanced by tokens) and all ranks run the same number of micro-batches. Loss normalisers
+(`n_tokens`, `n_seqs`) are those of the whole batch and FSDP sums (not averages) gradients
+over ranks, so the gradient is that of the batch loss whatever the world size.
+
+Loss-function stats are per-micro-batch contributions to batch-level numbers and are
+summed over micro-batches and ranks, except keys ending in `_max` / `_min` (max / min).
+A loss function reporting a batch mean should therefore divide by the batch's `n_tokens`,
+as the loss itself does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
+
+from asyncrl.api.protocols import LossFn
+from asyncrl.api.types import TensorBatch
+from asyncrl.config.schema import ActorConfig
+from asyncrl.models.hub import resolve_model_path
+from asyncrl.training import checkpoint
+from asyncrl.training.dist import init_process_group, local_device
+from asyncrl.training.microbatch import plan_micro_batches, to_device
+from asyncrl.training.optim import make_lr_scheduler, make_optimizer
+
+# Floats of one chunk of fp32 logits (128 MiB): bounds the memory of the vocabulary
+# projection whatever the batch size.
+LOGIT_CHUNK_ELEMENTS = 2**25
+HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
+
+
+class TokenLogprobModel(nn.Module):
+    """An HF causal LM whose forward returns log p(token_t | tokens_<t) at chosen positions.
+
+    It is the FSDP root, so one forward unshards every parameter it uses. Only the chosen
+    positions go through the vocabulary projection (prompt tokens do not need it in
+    training), in chunks of LOGIT_CHUNK_ELEMENTS fp32 logits: gather - logsumexp, never a
+    full [B, T, V] log_softmax. With gradients and more than one chunk, each chunk's logits
+    are recomputed in backward instead of kept, so memory stays at one chunk.
+    """
+
+    def __init__(self, hf_model: nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.temperature = temperature
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        """[B, T] fp32 log-probs where `targets` (bool [B, T]) is True, 0 elsewhere."""
+        out = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                    use_cache=False)
+        chosen = targets[:, 1:]  # token t is predicted by the hidden state at t - 1
+        hidden = out.last_hidden_state[:, :-1][chosen]
+        tokens = input_ids[:, 1:][chosen]
+        logprobs = self._logprobs(hidden, tokens)
+        flat = torch.zeros(chosen.shape, dtype=torch.float32, device=input_ids.device)
+        return nn.functional.pad(flat.masked_scatter(chosen, logprobs), (1, 0))
+
+    def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        vocab = self.hf.get_output_embeddings().weight.shape[0]
+        chunk = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+        if hidden.shape[0] <= chunk:
+            return self._chunk_logprobs(hidden, tokens)
+        parts = []
+        for h, tok in zip(hidden.split(chunk), tokens.split(chunk)):
+            if torch.is_grad_enabled():
+                parts.append(recompute_in_backward(self._chunk_logprobs, h, tok,
+                                                   use_reentrant=False))
+            else:
+                parts.append(self._chunk_logprobs(h, tok))
+        return torch.cat(parts)
+
+    def _chunk_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.hf.get_output_embeddings()(hidden).float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _check_no_dropout(config: Any) -> None:
+    """Refuse a model with dropout: its log-probs must be the inference engine's function."""
+    for name, value in vars(config).items():
+        if "dropout" in name and isinstance(value, float) and value > 0:
+            raise ValueError(f"model config {name}={value}: the trainer's log-probs must match "
+                             f"the inference engine's, which has no dropout; set {name} to 0")
+
+
+def _targets_all(mb: TensorBatch) -> torch.Tensor:
+    """Every real token after the first (the first has no context to be predicted from)."""
+    targets = mb.attention_mask.clone()
+    targets[:, 0] = False
+    return targets
+
+
+def _targets_loss(mb: TensorBatch) -> torch.Tensor:
+    """Loss tokens only: the ones any loss over `loss_mask` reads."""
+    return _targets_all(mb) & (mb.loss_mask > 0)
+
+
+_COMBINE = {"sum": float.__add__, "max": max, "min": min}
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _reduction(key: str) -> str:
+    """How a stat combines over micro-batches and ranks, from its name's suffix."""
+    return key.rsplit("_", 1)[-1] if key.endswith(("_max", "_min")) else "sum"
+
+
+def _reduce_stats(per_mb: list[dict[str, float]]) -> dict[str, float]:
+    """Sum micro-batch stats, max/min those named `*_max` / `*_min`."""
+    out: dict[str, float] = {}
+    for stats in per_mb:
+        for key, value in stats.items():
+            value = float(value)
+            out[key] = _COMBINE[_reduction(key)](out[key], value) if key in out else value
+    return out
+
+
+def _reduce_stats_across_ranks(stats: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The same reduction as `_reduce_stats`, over ranks (every rank must hold the same keys)."""
+    if dist.get_world_size() == 1:
+        return stats
+    out = dict(stats)
+    for kind, op in _REDUCE_OPS.items():
+        keys = sorted(k for k in stats if _reduction(k) == kind)
+        if keys:
+            values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+            dist.all_reduce(values, op=op)
+            out.update(zip(keys, values.tolist()))
+    return out
+
+
+class FSDPTrainEngine:
+    """A data-parallel FSDP2 policy (fp32 master weights, optional bf16 compute)."""
+
+    def __init__(self, cfg: ActorConfig, *, total_steps: int, seed: int = 1) -> None:
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.seed = seed
+        self.steps_done = 0  # optimiser steps taken (restored by load_state)
+        self.model: TokenLogprobModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.rank, self.world_size = 0, 1
+        self.device = torch.device("cpu")
+        self._tied: set[str] = set()  # parameter names that alias another (tied embeddings)
+        self._owns_process_group = False
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Join the process group, load and shard the model, build optimiser and schedule."""
+        from transformers import AutoTokenizer
+
+        self._owns_process_group = init_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = local_device()
+        torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
+        path = resolve_model_path(self.cfg.path)
+        hf_model = self._load_hf_model(path)
+        _check_no_dropout(hf_model.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._tied = checkpoint.tied_aliases(hf_model)
+        if self.cfg.gradient_checkpointing:
+            # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
+            hf_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = TokenLogprobModel(hf_model, self.cfg.temperature)
+        self._shard(self.model)
+        self.optimizer = make_optimizer(self.model.parameters(), self.cfg.optimizer)
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, self.cfg.optimizer, self.total_steps)
+
+    def _load_hf_model(self, path: str) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.cfg.init_from_scratch:
+            config = AutoConfig.from_pretrained(path)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def _shard(self, model: TokenLogprobModel) -> None:
+        mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        if self.cfg.dtype == "bfloat16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            mp = MixedPrecisionPolicy()
+        # One rank holds everything anyway; keeping the gathered layer between forward and
+        # backward saves a second gather (a copy) per layer and step.
+        reshard = self.world_size > 1
+        for layer in model.hf.get_decoder().layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if self.world_size == 1:
+            return  # a custom divide factor would cost a division pass per layer and step
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # Losses are already divided by the whole batch's normaliser: sum over ranks.
+                # Plain SUM also on gloo, which lacks the PREMUL_SUM a custom factor asks for.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+    def destroy(self) -> None:
+        """Free the model and the process group if `initialize` created it."""
+        self.model = self.optimizer = self.lr_scheduler = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def _require_model(self) -> TokenLogprobModel:
+        if self.model is None:
+            raise RuntimeError("FSDPTrainEngine is not initialised; call initialize() first")
+        return self.model
+
+    # ---- forward / backward -------------------------------------------------------------
+
+    def _my_micro_batches(self, batch: TensorBatch) -> list[tuple[list[int], bool]]:
+        """(rows, real) for this rank; a rank short of micro-batches repeats one, not real."""
+        lengths = batch.seq_lens.tolist()
+        plans = plan_micro_batches(lengths, self.cfg.mb_spec.max_tokens_per_mb, self.world_size)
+        mine = plans[self.rank]
+        n = max(len(p) for p in plans)
+        return [(mine[i], True) if i < len(mine) else (mine[0], False) for i in range(n)]
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        """Token-aligned log-probs [B, T] (fp32, CPU); position 0 and padding hold 0."""
+        model = self._require_model()
+        model.eval()
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        for rows, real in self._my_micro_batches(batch):
+            mb = to_device(batch.select(rows), self.device)
+            logprobs = model(mb.input_ids, mb.attention_mask, _targets_all(mb))
+            if real:
+                out[torch.as_tensor(rows, device=self.device), : logprobs.shape[1]] = logprobs
+        if self.world_size > 1:
+            dist.all_reduce(out)  # each row is non-zero on exactly one rank
+        return out.cpu()
+
+    def train_batch(self, batch: TensorBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimiser step on `batch`.
+
+        `loss_fn` gets log-probs on the batch's loss tokens only (0 elsewhere): the
+        vocabulary projection is skipped on prompt tokens.
+        """
+        model = self._require_model()
+        model.train()  # HF runs activation checkpointing in train mode only
+        n_tokens = int((batch.loss_mask > 0).sum())
+        n_seqs = len(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        mb_stats, loss_sum = [], 0.0
+        micro_batches = self._my_micro_batches(batch)
+        for rows, real in micro_batches:
+            mb = to_device(batch.select(rows), self.device)
+            logprobs = model(mb.input_ids, mb.attention_mask, _targets_loss(mb))
+            loss, stats = loss_fn(logprobs, mb, n_tokens=n_tokens, n_seqs=n_seqs)
+            if not real:
+                loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
+            loss.backward()
+            if real:
+                mb_stats.append(stats)
+                loss_sum += float(loss.detach())
+        grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        # A non-finite gradient would turn every weight into NaN: skip that update.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.steps_done += 1
+        stats = _reduce_stats(mb_stats)
+        stats["loss"] = loss_sum
+        stats = _reduce_stats_across_ranks(stats, self.device)
+        stats.update(grad_norm=grad_norm, lr=lr, n_mbs=float(len(micro_batches)),
+                     n_tokens=float(n_tokens), n_seqs=float(n_seqs), update_skipped=float(skipped))
+        return stats
+
+    def _clip_gradients(self) -> float:
+        """The global gradient norm (before clipping); clips to `gradient_clipping` if > 0."""
+        params = [p for p in self._require_model().parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # per-shard partial norms -> the global norm
+        max_norm = self.cfg.optimizer.gradient_clipping
+        total = float(norm)
+        # Scaling by a coefficient of 1 would be a wasted pass over every gradient.
+        if 0 < max_norm < total:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return total
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full CPU weights under HF names, tied aliases left out.
+
+        A collective: every rank calls it; rank 0 gets the weights, the others an empty dict.
+        """
+        return checkpoint.full_state_dict(self._require_model(), prefix=HF_PREFIX,
+                                          drop=self._tied, dtype=dtype)
+
+    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
+        """Full weights (master fp32, or `dtype`), config and tokenizer as an HF folder.
+
+        Every rank must call it (gathering the shards is a collective); only rank 0 writes.
+        """
+        model = self._require_model()
+        weights = self.hf_state_dict(dtype)
+        if self.rank == 0:
+            hf = model.hf
+            checkpoint.write_hf_folder(path, weights, hf.config, self.tokenizer,
+                                       getattr(hf, "generation_config", None))
+        dist.barrier()
+
+    def save_state(self, path: str) -> None:
+        """Model, optimiser, lr schedule, step count and RNG state, for an exact resume."""
+        checkpoint.save_train_state(path, self._require_model(), self.optimizer,
+                                    self._extra_state())
+
+    def load_state(self, path: str) -> None:
+        """Restore what `save_state` wrote (the world size may differ)."""
+        extra = checkpoint.load_train_state(path, self._require_model(), self.optimizer)
+        self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self.steps_done = int(extra["steps_done"])
+        torch.set_rng_state(extra["cpu_rng"])
+        if torch.cuda.is_available() and "cuda_rng" in extra:
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+
+    def _extra_state(self) -> dict[str, Any]:
+        extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "steps_done": self.steps_done,
+                 "cpu_rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            extra["cuda_rng"] = torch.cuda.get_rng_state()
+        return extra

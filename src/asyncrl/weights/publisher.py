@@ -1,0 +1,61 @@
+"""Weight sync, first mode: versioned safetensors on disk, then tell every server.
+
+The trainer writes `<run>/weights/v<N>/`, then each server is paused, reloads from that
+folder, sets version N and resumes (the client does the per-server sequence, each step
+under a timeout). A server that does not answer raises an error; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.api import InferenceEngine, TrainEngine
+
+logger = logging.getLogger(__name__)
+
+
+class WeightPublisher:
+    """Publishes the trainer's weights as version N and loads them on the inference servers."""
+
+    def __init__(self, root: Path, engine: InferenceEngine, *, dtype: str = "bfloat16",
+                 keep_last: int = 2,
+                 run: Callable[[Coroutine], Any] = asyncio.run) -> None:
+        self.root = Path(root)
+        self.engine = engine
+        self.dtype = dtype
+        self.keep_last = keep_last
+        self._run = run  # how to run the client's coroutines (e.g. on the rollout loop)
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def publish(self, actor: TrainEngine, version: int) -> dict[str, float]:
+        """Save weights `version` and load them on every server; returns timings."""
+        t0 = time.monotonic()
+        path = self.path(version)
+        if path.exists():
+            shutil.rmtree(path)  # a leftover of a crashed run; written again
+        actor.save_hf(str(path), dtype=getattr(torch, self.dtype))
+        t1 = time.monotonic()
+        self._run(self.engine.update_weights_from_disk(str(path), version))
+        t2 = time.monotonic()
+        self._prune(version)
+        logger.debug("published weights v%d (save %.2fs, load %.2fs)", version, t1 - t0, t2 - t1)
+        return {"perf/weights_save_s": t1 - t0, "perf/weights_load_s": t2 - t1}
+
+    def _prune(self, current: int) -> None:
+        for old in self.root.glob("v*"):
+            try:
+                version = int(old.name[1:])
+            except ValueError:
+                continue
+            if version <= current - self.keep_last:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""RLVR: one prompt, n sampled answers, each scored by a verifiable reward."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from asyncrl.api.protocols import InferenceEngine
+from asyncrl.api.types import GenerationRequest, GenerationResponse, SamplingParams, Trajectory
+from asyncrl.config.schema import GenerationConfig, WorkflowConfig
+from asyncrl.data.prompts import build_messages, encode_chat
+from asyncrl.rewards.registry import resolve_reward_fn
+from asyncrl.rewards.runner import RewardRunner
+
+T = TypeVar("T")
+
+
+def sampling_params(gconfig: GenerationConfig, *,
+                    eos_token_id: int | None = None) -> SamplingParams:
+    """SamplingParams from `gconfig`, stopping at the tokenizer's EOS as well."""
+    stop_ids = list(gconfig.stop_token_ids)
+    if eos_token_id is not None and eos_token_id not in stop_ids:
+        stop_ids.append(eos_token_id)
+    return SamplingParams(
+        max_new_tokens=gconfig.max_new_tokens,
+        temperature=gconfig.effective_temperature,
+        top_p=gconfig.top_p,
+        top_k=gconfig.top_k,
+        stop_token_ids=stop_ids,
+        stop=list(gconfig.stop),
+    )
+
+
+async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
+    """Like asyncio.gather, but the first failure cancels the others before it propagates."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let cancellations finish
+        raise
+
+
+class RLVRWorkflow:
+    """Sample `gconfig.n_samples` answers to an item's question and score each one."""
+
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, reward: RewardRunner, *,
+                 system_prompt: str | None = None, few_shot: Sequence[dict[str, str]] = ()):
+        self.tokenizer = tokenizer
+        self.gconfig = gconfig
+        self.reward = reward
+        self.system_prompt = system_prompt
+        self.few_shot = list(few_shot)
+        self.sampling = sampling_params(gconfig, eos_token_id=tokenizer.eos_token_id)
+        build_messages("", system_prompt=system_prompt, few_shot=self.few_shot)  # fail early
+
+    @classmethod
+    def from_config(cls, tokenizer: Any, gconfig: GenerationConfig, wconfig: WorkflowConfig, *,
+                    reward_workers: int = 2) -> RLVRWorkflow:
+        """The workflow `wconfig` describes; the caller closes `workflow.reward` at the end."""
+        runner = RewardRunner(resolve_reward_fn(wconfig.reward_fn), wconfig.reward_timeout,
+                              workers=reward_workers)
+        return cls(tokenizer, gconfig, runner, system_prompt=wconfig.system_prompt,
+                   few_shot=wconfig.few_shot)
+
+    def for_eval(self, max_new_tokens: int | None = None) -> RLVRWorkflow:
+        """A greedy, one-sample copy for evaluation, sharing the prompt and reward runner."""
+        gconfig = dataclasses.replace(self.gconfig, n_samples=1, greedy=True,
+                                      max_new_tokens=max_new_tokens or self.gconfig.max_new_tokens)
+        return RLVRWorkflow(self.tokenizer, gconfig, self.reward, system_prompt=self.system_prompt,
+                            few_shot=self.few_shot)
+
+    def prompt_ids(self, item: dict[str, Any]) -> list[int]:
+        """The chat prompt of `item`, as token ids."""
+        messages = build_messages(item["question"], system_prompt=self.system_prompt,
+                                  few_shot=self.few_shot)
+        return encode_chat(self.tokenizer, messages)
+
+    async def run(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
+        """One trajectory per sample; samples are generated and scored concurrently."""
+        prompt_ids = self.prompt_ids(item)
+        # Unique per call: the same item seen again (next epoch) is a new group.
+        group_id = f"{item['id']}@{uuid.uuid4().hex[:12]}"
+        return await gather_or_cancel(*(
+            self._sample(engine, item, prompt_ids, group_id, index)
+            for index in range(self.gconfig.n_samples)
+        ))
+
+    async def _sample(self, engine: InferenceEngine, item: dict[str, Any], prompt_ids: list[int],
+                      group_id: str, index: int) -> Trajectory:
+        """Generate one answer, then score it (scoring overlaps the group's other generations)."""
+        t0 = time.perf_counter()
+        resp = await engine.agenerate(GenerationRequest(input_ids=list(prompt_ids),
+                                                        sampling=self.sampling))
+        t1 = time.perf_counter()
+        completion = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+        reward = await self.reward.score(completion, item)
+        t2 = time.perf_counter()
+        return Trajectory.from_response(resp, reward=reward, group_id=group_id,
+                                        meta=self._meta(item, resp, completion, index,
+                                                        gen_s=t1 - t0, reward_s=t2 - t1))
+
+    def _meta(self, item: dict[str, Any], resp: GenerationResponse, completion: str, index: int,
+              *, gen_s: float, reward_s: float) -> dict[str, Any]:
+        return {
+            "task_id": item["id"],
+            "task": item.get("task", ""),
+            "sample_index": index,
+            "completion": completion,
+            "gold_answer": item.get("answer"),
+            "reward_fn": self.reward.name,
+            "gen_s": gen_s,
+            "reward_s": reward_s,
+            "engine_latency_s": resp.latency_s,
+        }

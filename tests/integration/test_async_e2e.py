@@ -1,0 +1,81 @@
+"""Asynchronous RL end to end on a tiny random model, through real server processes."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.models.tiny import make_tiny_model
+from asyncrl.observe import read_stats
+from asyncrl.trainers.rl import train
+
+pytestmark = pytest.mark.integration
+
+
+def _server_pids(model_path: str) -> list[int]:
+    """Live processes running an inference server on `model_path`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"asyncrl.inference.server" in cmd and model_path.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _config(tmp_path, model, eta, steps, extra=()):
+    return load_config(None, [
+        f"experiment_name=e2e", f"trial_name=eta{eta}", f"cluster.fileroot={tmp_path / 'runs'}",
+        f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
+        "local_engine.max_seq_len=256",
+        "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
+        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
+        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
+        f"rollout.max_head_offpolicyness={eta}", f"total_train_steps={steps}",
+        "workflow.reward_fn=toy_rewards:text_hash",
+        "valid_dataset.path=reasoning_gym:basic_arithmetic", "valid_dataset.size=4",
+        "valid_dataset.seed=99", "stats_logger.progress_bar=false",
+        "scheduler.inference_threads=1", "scheduler.trainer_threads=1", *extra,
+    ])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
+
+
+def test_two_async_steps_end_to_end(tmp_path, tiny_model):
+    cfg = _config(tmp_path, tiny_model, eta=1, steps=2)
+    summary = train(cfg)
+    run = Path(summary["run_dir"])
+    rows = read_stats(run / "stats.jsonl")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    eval_rows = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    assert [r["step"] for r in eval_rows] == [0, 2]  # before and after training
+    for r in train_rows:
+        assert r["rollout/staleness_max"] <= 1
+        assert r["perf/trained_tokens"] > 0
+        assert r["train/grad_norm"] > 0
+    assert (run / "reward_curve.png").stat().st_size > 0
+    assert (run / "weights" / "v2").is_dir()  # the last published version
+    assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
+    assert not _server_pids(tiny_model), "an inference server outlived its run"
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):
+    extra = ["recover.mode=auto", "recover.freq_steps=1", "evaluator.before_training=false",
+             "evaluator.after_training=false"]
+    train(_config(tmp_path, tiny_model, eta=2, steps=2, extra=extra))
+    summary = train(_config(tmp_path, tiny_model, eta=2, steps=3, extra=extra))
+    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
+    # the second run starts at step 3: steps 1-2 come from the first run, appended to
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rollout/staleness_max"] <= 2
+    assert os.path.isdir(Path(summary["run_dir"]) / "recover")

@@ -1,0 +1,185 @@
+"""Advantages and the PPO loss on small tensors, with values worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn, normalize, ppo_loss
+from asyncrl.api.types import TensorBatch
+from asyncrl.config.schema import ActorConfig, NormConfig
+
+EPS = 1e-5
+
+
+def make_batch(rewards, loss_mask, **per_token) -> TensorBatch:
+    loss_mask = torch.tensor(loss_mask, dtype=torch.float32)
+    shape = loss_mask.shape
+    fields = dict(
+        input_ids=torch.zeros(shape, dtype=torch.long),
+        attention_mask=torch.ones(shape, dtype=torch.bool),
+        loss_mask=loss_mask,
+        behavior_logprobs=torch.zeros(shape),
+        versions=torch.zeros(shape, dtype=torch.long),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+    )
+    fields.update({k: torch.tensor(v, dtype=torch.float32) for k, v in per_token.items()})
+    return TensorBatch(**fields)
+
+
+# ---- advantages ---------------------------------------------------------------------------
+
+def test_grpo_advantages_are_group_zscores_on_loss_tokens():
+    # Group 1 rewards [1, 0, 0, 1]: mean 0.5, population std 0.5 -> +-0.5 / (0.5 + eps).
+    # Group 2 rewards all 1: every advantage is 0.
+    mask = [[0, 1, 1]] * 8
+    batch = make_batch([1, 0, 0, 1, 1, 1, 1, 1], mask)
+    cfg = ActorConfig(path="x", reward_norm=NormConfig(group_size=4))
+    adv = compute_advantages(batch, cfg)
+    a = 0.5 / (0.5 + EPS)
+    expected_rows = torch.tensor([a, -a, -a, a, 0, 0, 0, 0])
+    torch.testing.assert_close(adv, expected_rows[:, None] * batch.loss_mask)
+
+
+def test_group_of_equal_rewards_has_zero_advantage():
+    batch = make_batch([0.3, 0.3, 0.3], [[1, 1]] * 3)
+    adv = compute_advantages(batch, ActorConfig(path="x", reward_norm=NormConfig(group_size=3)))
+    assert torch.equal(adv, torch.zeros(3, 2))
+
+
+def test_reward_scaling_and_bias_without_normalisation():
+    # (r + bias) * scaling = (1 - 0.5) * 2 = 1 and (0 - 0.5) * 2 = -1.
+    batch = make_batch([1, 0], [[0, 1], [1, 1]])
+    cfg = ActorConfig(path="x", reward_scaling=2.0, reward_bias=-0.5, reward_norm=None)
+    expected = torch.tensor([[0.0, 1.0], [-1.0, -1.0]])
+    torch.testing.assert_close(compute_advantages(batch, cfg), expected)
+
+
+def test_batch_level_adv_norm_counts_loss_tokens_only():
+    # Loss tokens carry [3] and [1, 1, 1]: mean 1.5, population variance (2.25 + 3 * 0.25) / 4
+    # = 0.75, so 3 -> 1.5 / sqrt(0.75) = sqrt(3) and 1 -> -0.5 / sqrt(0.75) = -1 / sqrt(3).
+    batch = make_batch([3, 1], [[0, 0, 1], [1, 1, 1]])
+    cfg = ActorConfig(path="x", reward_norm=None,
+                      adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    s = math.sqrt(0.75) + EPS
+    expected = torch.tensor([[0, 0, 1.5 / s], [-0.5 / s] * 3])
+    torch.testing.assert_close(compute_advantages(batch, cfg), expected)
+
+
+def test_std_only_normalisation_does_not_subtract_the_mean():
+    out = normalize(torch.tensor([1.0, 0.0, 0.0, 1.0]), mean_level="none", std_level="group",
+                    group_size=4, eps=EPS)
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 1.0]) / (0.5 + EPS))
+
+
+def test_group_norm_rejects_a_batch_that_is_not_whole_groups():
+    with pytest.raises(ValueError, match="whole number of groups of 4"):
+        normalize(torch.zeros(6), group_size=4)
+
+
+def test_group_norm_without_group_size_names_the_field():
+    cfg = ActorConfig(path="x", reward_norm=NormConfig())
+    with pytest.raises(ValueError, match="reward_norm.group_size"):
+        compute_advantages(make_batch([1, 0], [[1], [1]]), cfg)
+
+
+# ---- PPO loss -----------------------------------------------------------------------------
+
+def loss_of(logp, *, prox, behav, adv, mask=None, eps_clip=0.2, eps_clip_higher=None, cap=None):
+    logp = torch.tensor(logp, requires_grad=True)
+    mask = torch.ones_like(logp) if mask is None else torch.tensor(mask)
+    loss, stats = ppo_loss(logp, prox_logprobs=torch.tensor(prox),
+                           behavior_logprobs=torch.tensor(behav),
+                           advantages=torch.tensor(adv), loss_mask=mask, eps_clip=eps_clip,
+                           eps_clip_higher=eps_clip_higher, imp_weight_cap=cap,
+                           n_tokens=int(mask.sum()))
+    loss.backward()
+    return loss.item(), stats, logp.grad
+
+
+def test_policy_loss_clipped_when_ratio_above_one_plus_eps_with_positive_advantage():
+    # ratio 1.5, A = 1: max(-1.5, -1.2) = -1.2 and the clipped branch has no gradient.
+    loss, stats, grad = loss_of([math.log(1.5)], prox=[0.0], behav=[0.0], adv=[1.0])
+    assert loss == pytest.approx(-1.2)
+    assert stats["clip_frac"] == 1.0
+    assert grad.tolist() == [0.0]
+
+
+def test_policy_loss_unclipped_inside_the_trust_region():
+    # ratio 1.1, A = 1: loss -1.1, d(-A * ratio)/dlogp = -ratio = -1.1.
+    loss, stats, grad = loss_of([math.log(1.1)], prox=[0.0], behav=[0.0], adv=[1.0])
+    assert loss == pytest.approx(-1.1)
+    assert stats["clip_frac"] == 0.0
+    torch.testing.assert_close(grad, torch.tensor([-1.1]))
+
+
+def test_negative_advantage_is_not_clipped_above_the_trust_region():
+    # ratio 1.5, A = -1: max(1.5, 1.2) = 1.5, the unclipped branch keeps its gradient.
+    loss, _, grad = loss_of([math.log(1.5)], prox=[0.0], behav=[0.0], adv=[-1.0])
+    assert loss == pytest.approx(1.5)
+    torch.testing.assert_close(grad, torch.tensor([1.5]))
+
+
+def test_eps_clip_higher_widens_only_the_upper_bound():
+    # ratio 1.25 lies inside [0.8, 1.28]: unclipped.
+    loss, _, _ = loss_of([math.log(1.25)], prox=[0.0], behav=[0.0], adv=[1.0], eps_clip_higher=0.28)
+    assert loss == pytest.approx(-1.25)
+
+
+def test_behaviour_importance_weight_scales_the_token_loss():
+    # prox/behav = 1 / 0.5 = 2; ratio 1, A = 1: loss -1 * 2.
+    loss, stats, _ = loss_of([0.0], prox=[0.0], behav=[math.log(0.5)], adv=[1.0])
+    assert loss == pytest.approx(-2.0)
+    assert stats["imp_weight_mean"] == pytest.approx(2.0)
+
+
+def test_tokens_above_the_weight_cap_are_masked_out_and_counted():
+    # Weights 2 and 10 with cap 5: only the first counts, divided by both loss tokens.
+    loss, stats, grad = loss_of([0.0, 0.0], prox=[0.0, 0.0], behav=[math.log(0.5), math.log(0.1)],
+                                adv=[1.0, 1.0], cap=5.0)
+    assert loss == pytest.approx(-2.0 / 2)
+    assert stats["capped_tokens"] == 1.0
+    assert stats["capped_frac"] == pytest.approx(0.5)
+    assert stats["imp_weight_max"] == pytest.approx(10.0)
+    assert grad[1].item() == 0.0
+
+
+def test_loss_ignores_tokens_off_the_mask_but_divides_by_the_batch_token_count():
+    logp = torch.tensor([0.0, 5.0], requires_grad=True)
+    loss, _ = ppo_loss(logp, prox_logprobs=torch.zeros(2), behavior_logprobs=torch.zeros(2),
+                       advantages=torch.ones(2), loss_mask=torch.tensor([1.0, 0.0]), eps_clip=0.2,
+                       n_tokens=4)
+    assert loss.item() == pytest.approx(-1.0 / 4)
+
+
+def test_clipped_tokens_get_zero_gradient_and_the_rest_do_not():
+    ratios = [0.5, 0.9, 1.1, 1.5]  # A > 0: only 1.5 is clipped (0.5 is below, unclipped min)
+    adv = [1.0, 1.0, 1.0, 1.0]
+    logp = [math.log(r) for r in ratios]
+    _, stats, grad = loss_of(logp, prox=[0.0] * 4, behav=[0.0] * 4, adv=adv)
+    torch.testing.assert_close(grad, torch.tensor([-0.5, -0.9, -1.1, 0.0]) / 4)
+    assert stats["clip_frac"] == pytest.approx(0.25)
+    assert stats["ratio_mean"] == pytest.approx(sum(ratios) / 4)
+
+
+def test_plain_ppo_uses_behaviour_logprobs_and_ignores_prox():
+    logp = [math.log(1.5), math.log(0.9), 0.3]
+    behav = [0.0, 0.0, 0.1]
+    adv = [1.0, -2.0, 1.0]
+    mb = make_batch([0, 0, 0], [[1, 1, 1]], behavior_logprobs=[behav], advantages=[adv],
+                    prox_logprobs=[[9.0, 9.0, 9.0]])  # nonsense: must not be used
+    cfg = ActorConfig(path="x", use_decoupled_loss=False)
+    loss, stats = make_ppo_loss_fn(cfg)(torch.tensor([logp]), mb, n_tokens=3, n_seqs=1)
+    expected = 0.0
+    for lp, b, a in zip(logp, behav, adv):
+        r = math.exp(lp - b)
+        expected += max(-a * r, -a * min(max(r, 0.8), 1.2))
+    assert expected / 3 == pytest.approx(-0.2)  # -1.2 (clipped) + 1.8 - 1.2 (clipped)
+    assert loss.item() == pytest.approx(expected / 3)
+    assert stats["imp_weight_mean"] == pytest.approx(1.0)
+
+
+def test_decoupled_loss_needs_prox_logprobs():
+    mb = make_batch([0], [[1]], advantages=[[1.0]])
+    with pytest.raises(ValueError, match="prox_logprobs"):
+        make_ppo_loss_fn(ActorConfig(path="x"))(torch.zeros(1, 1), mb, n_tokens=1, n_seqs=1)

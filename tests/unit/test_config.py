@@ -1,0 +1,95 @@
+"""Config loading: YAML + overrides, interpolation, errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = """
+experiment_name: t
+gconfig:
+  n_samples: 4
+train_dataset:
+  path: reasoning_gym:basic_arithmetic
+  batch_size: 8
+rollout:
+  consumer_batch_size: ${train_dataset.batch_size}
+  max_head_offpolicyness: 2
+actor:
+  reward_norm:
+    mean_level: group
+    std_level: group
+    group_size: ${gconfig.n_samples}
+"""
+
+
+@pytest.fixture
+def base_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(BASE)
+    return path
+
+
+def test_yaml_overrides_and_interpolation(base_yaml):
+    cfg = load_config(base_yaml, ["train_dataset.batch_size=16", "gconfig.n_samples=8"])
+    assert cfg.rollout.consumer_batch_size == 16
+    assert cfg.actor.reward_norm.group_size == 8
+    assert cfg.rollout.max_head_offpolicyness == 2
+    assert cfg.rollout.concurrency == 16 * 3  # B * (eta + 1) when not set
+
+
+def test_typo_in_key_suggests_the_nearest_valid_key(base_yaml):
+    with pytest.raises(ConfigError, match=r"rollout.max_head_offpolicynes'.*did you mean "
+                                          r"'rollout.max_head_offpolicyness'"):
+        load_config(base_yaml, ["rollout.max_head_offpolicynes=1"])
+    with pytest.raises(ConfigError, match=r"'actor.optimzer'.*did you mean 'actor.optimizer'"):
+        load_config(base_yaml, ["actor.optimzer.lr=1e-5"])
+
+
+def test_typo_in_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE + "gconfig_:\n  n_samples: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'gconfig_' \(from .*bad.yaml\); "
+                                          r"did you mean 'gconfig'"):
+        load_config(path)
+
+
+def test_bad_values_name_the_key(base_yaml):
+    with pytest.raises(ConfigError, match="gconfig.n_samples"):
+        load_config(base_yaml, ["gconfig.n_samples=many"])
+    with pytest.raises(ConfigError, match=r"actor.dtype.*bfloat16"):
+        load_config(base_yaml, ["actor.dtype=fp8"])
+    with pytest.raises(ConfigError, match="max_head_offpolicyness must be >= 0"):
+        load_config(base_yaml, ["rollout.max_head_offpolicyness=-1"])
+
+
+def test_inconsistent_group_size_says_what_to_set(base_yaml):
+    with pytest.raises(ConfigError, match=r"group_size=3 but gconfig.n_samples=4"):
+        load_config(base_yaml, ["actor.reward_norm.group_size=3"])
+
+
+def test_group_size_defaults_to_n_samples(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train_dataset:\n  path: x.jsonl\ngconfig:\n  n_samples: 6\n")
+    assert load_config(path).actor.reward_norm.group_size == 6
+
+
+def test_malformed_override_is_explained(base_yaml):
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(base_yaml, ["rollout.max_head_offpolicyness"])
+
+
+def test_missing_dataset_path_is_explained(tmp_path):
+    with pytest.raises(ConfigError, match="train_dataset.path is empty"):
+        load_config(None, [])
+
+
+@pytest.mark.parametrize("path", sorted(
+    list((REPO / "examples").rglob("*.yaml")) + list((REPO / "src/asyncrl/recipes").glob("*.yaml"))),
+    ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.train_dataset.path

@@ -1,0 +1,207 @@
+"""Datasets: JSONL files and folders, reasoning-gym tasks, the item stream, chat prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config.schema import DatasetConfig
+from asyncrl.data import (
+    DatasetError, ItemStream, build_messages, encode_chat, filter_by_length, load_dataset,
+)
+from asyncrl.models.tiny import make_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+ROWS = [
+    {"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+    {"question": "A thousand and one?", "answer": "1000 + 1\n#### 1,001"},
+    {"question": "Plain?", "answer": "7", "id": "custom", "task": "toy"},
+]
+
+
+def write_jsonl(path: Path, rows: list, *, raw_lines: dict[int, str] | None = None) -> Path:
+    lines = [json.dumps(r) for r in rows]
+    for lineno, text in (raw_lines or {}).items():
+        lines[lineno - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def test_jsonl_file_gives_items_with_gsm8k_ground_truth(tmp_path):
+    path = write_jsonl(tmp_path / "toy.jsonl", ROWS)
+    items = load_dataset(DatasetConfig(path=str(path)))
+    assert [i["id"] for i in items] == ["toy-1", "toy-2", "custom"]
+    assert [i["answer"] for i in items] == ["5", "1001", "7"]
+    assert [i["task"] for i in items] == ["toy", "toy", "toy"]
+    assert items[1]["solution"] == "1000 + 1\n#### 1,001" and "solution" not in items[2]
+    assert pickle.loads(pickle.dumps(items)) == items
+
+
+def test_size_keeps_the_first_rows(tmp_path):
+    path = write_jsonl(tmp_path / "toy.jsonl", ROWS)
+    items = load_dataset(DatasetConfig(path=str(path), size=2))
+    assert [i["answer"] for i in items] == ["5", "1001"]
+
+
+def test_folder_is_read_by_split_and_named_after_the_folder(tmp_path):
+    folder = tmp_path / "mytask"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", ROWS)
+    write_jsonl(folder / "test.jsonl", ROWS[:1])
+    test = load_dataset(DatasetConfig(path=str(folder), split="test"))
+    assert [(i["id"], i["task"]) for i in test] == [("test-1", "mytask")]
+    assert len(load_dataset(DatasetConfig(path=str(folder)))) == 3
+    with pytest.raises(DatasetError, match=r"no validation\.jsonl .*'test\.jsonl', 'train\.jsonl'"):
+        load_dataset(DatasetConfig(path=str(folder), split="validation"))
+
+
+def test_bad_json_line_is_reported_with_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", ROWS, raw_lines={3: '{"question": "x", '})
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:3: invalid JSON"):
+        load_dataset(DatasetConfig(path=str(path)))
+
+
+def test_missing_key_is_reported_with_file_line_and_key(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"question": "no answer"}])
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: missing key 'answer'"):
+        load_dataset(DatasetConfig(path=str(path)))
+
+
+def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_dataset(DatasetConfig(path=str(tmp_path / "nope.jsonl")))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None,
+                    reason="datasets is installed; this checks the message when it is not")
+def test_hf_id_without_datasets_package_says_how_to_install():
+    with pytest.raises(DatasetError, match="pip install datasets"):
+        load_dataset(DatasetConfig(path="openai/gsm8k"))
+
+
+def test_real_gsm8k_folder_loads_by_split():
+    folder = Path(os.environ.get("ASYNCRL_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
+    if not (folder / "test.jsonl").is_file():
+        pytest.skip(f"GSM8K data not found at {folder} (set ASYNCRL_GSM8K_DIR)")
+    items = load_dataset(DatasetConfig(path=str(folder), split="test", size=3))
+    assert [i["answer"] for i in items] == ["18", "3", "70000"]
+    assert {i["task"] for i in items} == {"gsm8k"}
+
+
+def test_reasoning_gym_items_are_deterministic_for_a_seed():
+    opts = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
+
+    def load(seed: int) -> list[dict]:
+        return load_dataset(DatasetConfig(path="reasoning_gym:chain_sum", size=4, seed=seed,
+                                          task_kwargs=opts))
+
+    first, again, other = load(5), load(5), load(6)
+    assert first == again
+    assert [i["question"] for i in first] != [i["question"] for i in other]
+    # reasoning-gym seeds item i with seed + i: neighbouring seeds overlap, shifted by one.
+    assert [i["question"] for i in first[1:]] == [i["question"] for i in other[:3]]
+    assert first[0]["id"] == "chain_sum-s5-0" and first[0]["task"] == "chain_sum"
+    assert first[0]["metadata"]["source_dataset"] == "chain_sum"
+    assert pickle.loads(pickle.dumps(first)) == first
+
+
+def test_unknown_reasoning_gym_task_is_named():
+    with pytest.raises(DatasetError, match="reasoning_gym:no_such_task"):
+        load_dataset(DatasetConfig(path="reasoning_gym:no_such_task", size=2))
+
+
+# -- the stream ---------------------------------------------------------------------------
+
+
+def items_of(n: int) -> list[dict]:
+    return [{"id": str(i)} for i in range(n)]
+
+
+def take(stream: ItemStream, n: int) -> list[str]:
+    return [stream.next()["id"] for _ in range(n)]
+
+
+def test_each_epoch_is_a_fresh_permutation():
+    stream = ItemStream(items_of(10), shuffle=True, seed=0)
+    epoch0, epoch1 = take(stream, 10), take(stream, 10)
+    assert sorted(epoch0, key=int) == sorted(epoch1, key=int) == [str(i) for i in range(10)]
+    assert epoch0 != epoch1
+    assert (stream.epoch, stream.position) == (1, 10)
+
+
+def test_unshuffled_stream_cycles_in_order():
+    stream = ItemStream(items_of(3), shuffle=False, seed=0)
+    assert take(stream, 7) == ["0", "1", "2", "0", "1", "2", "0"]
+    assert (stream.epoch, stream.position) == (2, 1)
+
+
+def test_resumed_stream_yields_exactly_the_same_next_items():
+    original = ItemStream(items_of(5), shuffle=True, seed=42)
+    take(original, 7)  # into the second epoch
+    state = json.loads(json.dumps(original.state_dict()))  # survives a JSON round trip
+    expected = take(original, 9)  # crosses into the third epoch
+    resumed = ItemStream(items_of(5), shuffle=True, seed=42)
+    resumed.load_state_dict(state)
+    assert take(resumed, 9) == expected
+
+
+def test_resuming_onto_a_different_dataset_is_refused():
+    state = ItemStream(items_of(5), shuffle=True, seed=42).state_dict()
+    with pytest.raises(ValueError, match="dataset or its config changed"):
+        ItemStream(items_of(6), shuffle=True, seed=42).load_state_dict(state)
+
+
+def test_steps_per_epoch_counts_full_batches():
+    stream = ItemStream(items_of(10), shuffle=True, seed=0)
+    assert stream.steps_per_epoch(3) == 3
+    assert stream.steps_per_epoch(10) == 1
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        stream.steps_per_epoch(11)
+
+
+# -- prompts ------------------------------------------------------------------------------
+
+
+def test_few_shot_examples_become_user_assistant_turns():
+    messages = build_messages("3 + 4?", system_prompt="Be brief.",
+                              few_shot=[{"question": "1 + 1?", "answer": "<answer>2</answer>"}])
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1 + 1?"},
+        {"role": "assistant", "content": "<answer>2</answer>"},
+        {"role": "user", "content": "3 + 4?"},
+    ]
+    with pytest.raises(ValueError, match=r"few_shot\[0\] lacks \['answer'\]"):
+        build_messages("q", few_shot=[{"question": "1 + 1?", "reply": "2"}])
+
+
+def test_encode_chat_ends_with_the_generation_prompt():
+    tok = make_tiny_tokenizer()
+    ids = encode_chat(tok, [{"role": "user", "content": "hi"}])
+    assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # byte-level: 3 special tokens + len("user\nhi") + "\n" + len("assistant\n") = 3 + 7 + 1 + 10
+    assert len(ids) == 21
+
+
+def test_filter_by_length_drops_long_prompts():
+    tok = make_tiny_tokenizer()
+
+    def prompt_ids(item: dict) -> list[int]:
+        return encode_chat(tok, build_messages(item["question"]))
+
+    # Prompt length = 19 + len(question) with the byte-level tokenizer (see above).
+    items = [{"question": "abc"}, {"question": "abcdefgh"}]
+    assert filter_by_length(items, prompt_ids, 22) == items[:1]
+    assert filter_by_length(items, prompt_ids, None) == items
+    with pytest.raises(ValueError, match="all 2 prompts are longer than max_length=10"):
+        filter_by_length(items, prompt_ids, 10)

@@ -1,0 +1,215 @@
+"""Sampling: truncation, recorded log-probs, stop conditions, and parity with HF."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
+from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.inference.engine import LocalEngine
+from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample, sample_from, truncate
+from asyncrl.models.tiny import make_tiny_model
+
+torch.set_num_threads(1)
+FP32_TOL = 1e-4  # our fp32 forward vs HF's: same maths, different op order
+
+
+def _batch(*params: SamplingParams) -> SamplingBatch:
+    return SamplingBatch.from_params(list(params))
+
+
+# ---- the sampler on hand-made logits ----------------------------------------------------------
+
+def test_greedy_picks_argmax_and_records_untempered_logprob():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    tokens, logprobs = sample(logits, _batch(SamplingParams(temperature=0.0)))
+    # 3 - log(e^1 + e^3 + e^2) = 3 - log(30.19287) = -0.40760596
+    assert tokens.tolist() == [1]
+    assert logprobs.item() == pytest.approx(-0.40760596, abs=1e-6)
+
+
+def test_sampled_logprob_is_tempered_and_taken_before_truncation():
+    logits = torch.log(torch.tensor([[1.0, 2.0, 5.0]]))  # probabilities 1/8, 2/8, 5/8
+    tokens, logprobs = sample(logits, _batch(SamplingParams(temperature=1.0, top_k=1)))
+    # top_k=1 forces token 2, but the recorded log-prob is the untruncated log(5/8).
+    assert tokens.tolist() == [2]
+    assert logprobs.item() == pytest.approx(math.log(5 / 8), abs=1e-6)
+    tokens, logprobs = sample(logits, _batch(SamplingParams(temperature=0.5, top_k=1)))
+    # logits / 0.5 = 2 log p: probabilities 1:4:25, so log(25/30).
+    assert logprobs.item() == pytest.approx(math.log(25 / 30), abs=1e-6)
+
+
+def test_top_k_1_equals_greedy():
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 3
+    greedy, _ = sample(logits, _batch(*[SamplingParams(temperature=0.0)] * 16))
+    top1, _ = sample(logits, _batch(*[SamplingParams(temperature=1.3, top_k=1)] * 16),
+                     torch.Generator().manual_seed(1))
+    assert torch.equal(greedy, top1)
+
+
+def test_top_p_keeps_smallest_set_reaching_the_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).expand(4000, 3)
+    gen = torch.Generator().manual_seed(0)
+    tokens, _ = sample(logits, _batch(*[SamplingParams(top_p=0.6)] * 4000), gen)
+    # {0, 1} holds 0.8 >= 0.6 while {0} holds 0.5 < 0.6; renormalised 0.625 / 0.375.
+    assert set(tokens.tolist()) == {0, 1}
+    assert (tokens == 0).float().mean().item() == pytest.approx(0.625, abs=0.03)  # ~4 sigma
+    tokens, _ = sample(logits, _batch(*[SamplingParams(top_p=0.45)] * 4000), gen)
+    assert set(tokens.tolist()) == {0}  # {0} alone already holds 0.5 >= 0.45
+
+
+def test_top_p_nucleus_wider_than_the_first_candidates_is_exact():
+    logits = -0.002 * torch.arange(1000.0)[None]  # slowly decaying: a nucleus of hundreds
+    probs = logits.softmax(-1)[0]
+    # By hand from the definition: keep token i while the mass before it is below 0.5.
+    kept = int(((probs.cumsum(0) - probs) < 0.5).sum())
+    assert kept > 256  # more than the first batch of candidates truncate() looks at
+    out = truncate(logits, torch.tensor([0]), torch.tensor([0.5]), use_top_k=False, use_top_p=True)
+    assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == list(range(kept))
+
+
+def test_sampling_frequencies_follow_the_tempered_distribution():
+    logits = torch.log(torch.tensor([[1.0, 2.0, 5.0]])).expand(6000, 3)
+    params = _batch(*[SamplingParams(temperature=0.5)] * 6000)
+    tokens, _ = sample(logits, params, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=3).float() / 6000
+    # Probabilities 1:4:25 over 30; tolerance ~4 sigma of the largest binomial std (0.0048).
+    assert torch.allclose(freq, torch.tensor([1 / 30, 4 / 30, 25 / 30]), atol=0.02)
+
+
+def test_inverse_cdf_draws_only_weighted_tokens_in_proportion():
+    weights = torch.zeros(4000, 1000)  # 1000 is not a multiple of the 256-token block
+    weights[:, 5], weights[:, 700] = 1.0, 3.0  # blocks 0 and 2; block 1 and the tail are empty
+    tokens = sample_from(weights, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {5, 700}
+    assert (tokens == 700).float().mean().item() == pytest.approx(0.75, abs=0.03)  # ~4 sigma
+
+
+def test_top_k_2_never_samples_the_third_token():
+    logits = torch.log(torch.tensor([[0.4, 0.35, 0.25]])).expand(2000, 3)
+    params = _batch(*[SamplingParams(top_k=2)] * 2000)
+    tokens, _ = sample(logits, params, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}
+    assert (tokens == 0).float().mean().item() == pytest.approx(0.4 / 0.75, abs=0.045)  # ~4 sigma
+
+
+def test_mixed_batch_keeps_each_rows_parameters():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_k=1)]
+    tokens, logprobs = sample(logits, _batch(*params), torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [1, 1]
+    assert logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[1].item(), abs=1e-6)
+    tempered = torch.log_softmax(logits[1] / 2, -1)[1].item()
+    assert logprobs[1].item() == pytest.approx(tempered, abs=1e-6)
+
+
+def test_stop_checker_sees_stop_ids_eos_and_stop_strings():
+    text = {5: "a", 6: "b", 7: "c"}
+    checker = StopChecker(SamplingParams(stop_token_ids=[9], stop=["bc"]), eos_ids=[2],
+                          decode=lambda ids: "".join(text.get(i, "?") for i in ids))
+    assert checker.is_stop([5, 9]) and checker.is_stop([5, 2])
+    assert not checker.is_stop([5, 6])
+    assert checker.is_stop([5, 6, 7])  # the token completing "bc"
+
+
+def test_ignore_eos_keeps_going_past_eos_but_not_past_stop_ids():
+    checker = StopChecker(SamplingParams(stop_token_ids=[9], ignore_eos=True), eos_ids=[2])
+    assert not checker.is_stop([5, 2])
+    assert checker.is_stop([5, 9])
+
+
+# ---- the engine on a tiny model ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny) -> LocalEngine:
+    config = LocalEngineConfig(dtype="float32", max_batch_size=4, max_seq_len=128)
+    return LocalEngine(tiny, config, seed=0)
+
+
+def run(engine: LocalEngine, *reqs: GenerationRequest):
+    """Drive the engine by hand until every request is answered."""
+    out: dict[str, object] = {}
+    for r in reqs:
+        engine.submit(r, lambda resp, rid=r.rid: out.__setitem__(rid, resp))
+    while len(out) < len(reqs):
+        engine.step()
+    return [out[r.rid] for r in reqs]
+
+
+def greedy(ids: list[int], n: int, **kw) -> GenerationRequest:
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+    return GenerationRequest(input_ids=ids, sampling=params)
+
+
+PROMPT = [40, 41, 42, 43, 44]
+
+
+def test_generation_stops_at_max_new_tokens(engine):
+    (resp,) = run(engine, greedy(PROMPT, 7))
+    assert len(resp.output_ids) == 7 and resp.stop_reason == StopReason.LENGTH
+    assert len(resp.output_logprobs) == 7 and resp.output_versions == [0] * 7
+
+
+def test_stop_token_ends_generation_and_is_kept(engine):
+    (ref,) = run(engine, greedy(PROMPT, 20))
+    stop_id = ref.output_ids[4]
+    first = ref.output_ids.index(stop_id)
+    (resp,) = run(engine, greedy(PROMPT, 20, stop_token_ids=[stop_id]))
+    assert resp.output_ids == ref.output_ids[:first + 1]
+    assert resp.stop_reason == StopReason.STOP
+
+
+def test_stop_string_ends_on_the_token_that_completes_it(engine):
+    # This prompt's greedy continuation under the tiny model holds ASCII text (most of a
+    # random byte-level model's output decodes to replacement characters).
+    prompt = engine.tokenizer("Hi!")["input_ids"]
+    (ref,) = run(engine, greedy(prompt, 20))
+    decode = engine.tokenizer.decode
+    text = decode(ref.output_ids)
+    stop = next(text[i:i + 3] for i in range(1, len(text) - 2)
+                if all(32 < ord(c) < 127 for c in text[i:i + 3]))
+    # Independently: the first prefix whose full decoded text contains the stop string.
+    end = next(i for i in range(1, 21) if stop in decode(ref.output_ids[:i]))
+    (resp,) = run(engine, greedy(prompt, 20, stop=[stop]))
+    assert 3 <= end < 20 and resp.output_ids == ref.output_ids[:end]
+    assert resp.stop_reason == StopReason.STOP
+
+
+def test_eos_ids_come_from_tokenizer_and_generation_config(engine):
+    assert engine.eos_ids == [engine.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_greedy_equals_hf_generate(engine, hf):
+    prompts = [PROMPT, [100, 7, 250], [33] * 12]
+    ours = run(engine, *(greedy(p, 16) for p in prompts))
+    for p, resp in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16)[0, len(p):]
+        assert resp.output_ids == ref.tolist()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 8, 0.9)])
+def test_sampled_logprobs_equal_hf_log_softmax_over_temperature(engine, hf, temperature, top_k,
+                                                                top_p):
+    req = GenerationRequest(input_ids=PROMPT, sampling=SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=24))
+    (resp,) = run(engine, req)
+    ids = PROMPT + resp.output_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, len(PROMPT) - 1:-1]
+    sampled = torch.tensor(resp.output_ids)[:, None]
+    ref = (logits / temperature).log_softmax(-1).gather(-1, sampled)[:, 0]
+    assert torch.allclose(torch.tensor(resp.output_logprobs), ref, atol=FP32_TOL)

@@ -1,0 +1,276 @@
+"""The FSDP2 train engine on a tiny random model, world size 1 on the CPU."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncrl.api.types import TensorBatch
+from asyncrl.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
+from asyncrl.models.tiny import make_tiny_model
+from asyncrl.training import FSDPTrainEngine, split_across_ranks, split_by_token_budget
+from asyncrl.training import engine as engine_module
+from asyncrl.training.dist import free_port, init_process_group
+from asyncrl.training.optim import lr_factor
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """One process group for the module, so that engines come and go without owning it."""
+    torch.set_num_threads(1)
+    created = init_process_group()
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_batch(seed: int = 0, lengths=(12, 7, 10, 5), prompt_len: int = 3) -> TensorBatch:
+    """Right-padded random rows; the tokens after `prompt_len` are loss tokens."""
+    g = torch.Generator().manual_seed(seed)
+    n, width = len(lengths), max(lengths)
+    input_ids = torch.randint(3, 250, (n, width), generator=g)
+    attention_mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    input_ids[~attention_mask] = 0
+    loss_mask = (attention_mask & (torch.arange(width)[None, :] >= prompt_len)).float()
+    return TensorBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+                       behavior_logprobs=torch.zeros(n, width),
+                       versions=torch.zeros(n, width, dtype=torch.long), rewards=torch.zeros(n))
+
+
+def nll_loss(logprobs, mb, *, n_tokens, n_seqs):
+    """Token-level negative log-likelihood, normalised by the whole batch's loss tokens."""
+    loss = -(logprobs * mb.loss_mask).sum() / n_tokens
+    worst = float(-logprobs.detach()[mb.loss_mask > 0].min())
+    return loss, {"nll_tokens": float(mb.loss_mask.sum()), "nll_max": worst}
+
+
+def token_logprobs(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
+    """The reference: full log_softmax, gathered, shifted to the token alignment, 0 on padding."""
+    logprobs = torch.log_softmax(logits[:, :-1], -1)
+    picked = logprobs.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    return torch.nn.functional.pad(picked * batch.attention_mask[:, 1:], (1, 0))
+
+
+def make_engine(path, *, total_steps=10, **overrides) -> FSDPTrainEngine:
+    optimizer = overrides.pop("optimizer", OptimizerConfig(lr=1e-3))
+    cfg = ActorConfig(path=path, dtype="float32", optimizer=optimizer, **overrides)
+    engine = FSDPTrainEngine(cfg, total_steps=total_steps)
+    engine.initialize()
+    return engine
+
+
+def test_token_budget_packs_sorted_rows_and_isolates_long_ones():
+    # Longest first: 30 and 9 alone (2 * 9 > 12); 6 with 5 (2 * 6 <= 12); 4 with 3.
+    groups = split_by_token_budget([5, 9, 4, 6, 30, 3], max_tokens=12)
+    assert groups == [[4], [1], [3, 0], [2, 5]]
+
+
+def test_ranks_get_balanced_token_loads():
+    parts = split_across_ranks([10, 9, 2, 1], world_size=2)
+    assert parts == [[0, 3], [1, 2]]
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    # 2 warmup steps, then decay over the 4 others; min_lr_ratio 0.2 would be step 6's.
+    ("linear", [0.5, 1.0, 1.0, 0.8, 0.6, 0.4]),
+    ("cosine", [0.5, 1.0, 1.0, 0.6 + 0.4 * 0.5 ** 0.5, 0.6, 0.6 - 0.4 * 0.5 ** 0.5]),
+])
+def test_lr_schedule_warms_up_then_decays_to_min_ratio(kind, expected):
+    factors = [lr_factor(step, kind=kind, total_steps=6, warmup_steps=2, min_lr_ratio=0.2)
+               for step in range(6)]
+    assert factors == pytest.approx(expected)
+
+
+def test_compute_logprobs_matches_an_independent_hf_forward(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine(tiny_path, temperature=0.7)
+    batch = make_batch()
+    ours = engine.compute_logprobs(batch)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected = token_logprobs(logits / 0.7, batch)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    assert (ours[:, 0] == 0).all() and (ours[~batch.attention_mask] == 0).all()
+    engine.destroy()
+
+
+def test_every_trainable_parameter_changes_after_one_step(tiny_path):
+    engine = make_engine(tiny_path)
+    before = engine.hf_state_dict()
+    stats = engine.train_batch(make_batch(), nll_loss)
+    after = engine.hf_state_dict()
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert not unchanged
+    assert stats["n_tokens"] == 22 and stats["n_seqs"] == 4 and stats["grad_norm"] > 0
+    assert stats["nll_tokens"] == 22  # summed over micro-batches
+    engine.destroy()
+
+
+def test_micro_batched_chunked_step_equals_one_big_micro_batch(tiny_path, monkeypatch):
+    # Adam's first step is ~lr * sign(grad); eps = 1 makes it ~lr * grad for these small
+    # gradients, so the parameters also check the gradients' scale.
+    optimizer = OptimizerConfig(lr=1e-2, eps=1.0, gradient_clipping=0.0)
+    results = []
+    for max_tokens, logits_per_chunk in ((10_000, 2**25), (12, 3 * 320)):
+        # 3 tokens per vocabulary-projection chunk (vocab 320): the recomputed-chunk path.
+        monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
+        engine = make_engine(tiny_path, optimizer=dataclasses.replace(optimizer),
+                             mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens))
+        stats = engine.train_batch(make_batch(), nll_loss)
+        results.append((stats, engine.hf_state_dict()))
+        engine.destroy()
+    (one, params_one), (many, params_many) = results
+    assert one["n_mbs"] == 1 and many["n_mbs"] == 4
+    assert many["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert many["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert many["nll_max"] == pytest.approx(one["nll_max"], rel=1e-6)  # max over micro-batches
+    for name in params_one:
+        torch.testing.assert_close(params_many[name], params_one[name], atol=1e-6, rtol=1e-5)
+
+
+def test_save_hf_round_trips_through_transformers(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine = make_engine(tiny_path)
+    engine.train_batch(make_batch(), nll_loss)  # weights differ from the tiny model's
+    batch = make_batch(seed=1)
+    ours = engine.compute_logprobs(batch)
+    engine.save_hf(str(tmp_path / "fp32"))
+    engine.save_hf(str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    engine.destroy()
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32)
+    with torch.no_grad():
+        logits = loaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    theirs = token_logprobs(logits, batch)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert AutoTokenizer.from_pretrained(tmp_path / "fp32").pad_token == "<|endoftext|>"
+
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert bf16.config.dtype == torch.bfloat16
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_resume_from_saved_state_continues_exactly(tiny_path, tmp_path):
+    # Linear decay: lr factors 1, 0.775, 0.55, 0.325; a scheduler that forgot its state
+    # would repeat 0.775 on the second step after the restart.
+    optimizer = OptimizerConfig(lr=1e-2, lr_scheduler_type="linear", min_lr_ratio=0.1)
+    first = make_engine(tiny_path, optimizer=optimizer, total_steps=4)
+    first.train_batch(make_batch(seed=0), nll_loss)
+    first.save_state(str(tmp_path / "state"))
+    expected_lrs = [first.train_batch(make_batch(seed=s), nll_loss)["lr"] for s in (1, 2)]
+    expected = first.hf_state_dict()
+    first.destroy()
+
+    resumed = make_engine(tiny_path, optimizer=dataclasses.replace(optimizer), total_steps=4)
+    resumed.load_state(str(tmp_path / "state"))
+    assert resumed.steps_done == 1
+    lrs = [resumed.train_batch(make_batch(seed=s), nll_loss)["lr"] for s in (1, 2)]
+    assert lrs == expected_lrs == pytest.approx([0.775e-2, 0.55e-2])
+    for name, value in resumed.hf_state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    resumed.destroy()
+
+
+DP_BATCH = dict(seed=2, lengths=(12, 7, 10, 5, 9, 4))
+# With 14 tokens per micro-batch rank 0 gets rows of 12 | 7, 5 and rank 1 rows of
+# 10 | 9 | 4: rank 0 has to run a zero-weight micro-batch to keep the collectives in step.
+DP_OVERRIDES = dict(mb_spec=MicroBatchSpec(max_tokens_per_mb=14))
+DP_OPTIMIZER = OptimizerConfig(lr=1e-2, eps=1.0, gradient_clipping=0.0)
+
+
+def _data_parallel_worker(rank: int, port: int, path: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    engine = make_engine(path, optimizer=dataclasses.replace(DP_OPTIMIZER), **DP_OVERRIDES)
+    batch = make_batch(**DP_BATCH)
+    logprobs = engine.compute_logprobs(batch)
+    stats = engine.train_batch(batch, nll_loss)
+    params = engine.hf_state_dict()
+    engine.save_state(os.path.join(out_dir, "state"))
+    if rank == 0:
+        torch.save({"logprobs": logprobs, "stats": stats, "params": params},
+                   os.path.join(out_dir, "result.pt"))
+    engine.destroy()
+
+
+def test_two_data_parallel_ranks_match_one_rank_and_their_state_loads_at_one(tiny_path, tmp_path):
+    torch.multiprocessing.spawn(_data_parallel_worker, args=(free_port(), tiny_path, str(tmp_path)),
+                                nprocs=2)
+    two = torch.load(tmp_path / "result.pt")
+    engine = make_engine(tiny_path, optimizer=dataclasses.replace(DP_OPTIMIZER), **DP_OVERRIDES)
+    batch = make_batch(**DP_BATCH)
+    torch.testing.assert_close(two["logprobs"], engine.compute_logprobs(batch),
+                               atol=1e-6, rtol=1e-6)
+    one = engine.train_batch(batch, nll_loss)
+    assert two["stats"]["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert two["stats"]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["stats"]["nll_tokens"] == one["nll_tokens"] == one["n_tokens"]
+    for name, value in engine.hf_state_dict().items():
+        torch.testing.assert_close(two["params"][name], value, atol=1e-6, rtol=1e-5)
+
+    engine.load_state(str(tmp_path / "state"))  # saved by two ranks, loaded by one
+    for name, value in engine.hf_state_dict().items():
+        assert torch.equal(value, two["params"][name]), name
+    engine.destroy()
+
+
+@pytest.mark.parametrize("overrides", [dict(gradient_checkpointing=True), dict(dtype="bfloat16")],
+                         ids=["gradient_checkpointing", "bf16"])
+def test_step_variants_train_every_parameter_and_keep_logprobs_close(tiny_path, overrides):
+    reference = make_engine(tiny_path)
+    expected = reference.compute_logprobs(make_batch())
+    reference.destroy()
+    engine = FSDPTrainEngine(dataclasses.replace(ActorConfig(path=tiny_path, dtype="float32",
+                                                             optimizer=OptimizerConfig(lr=1e-3)),
+                                                 **overrides), total_steps=10)
+    engine.initialize()
+    # bf16 compute: about 3 significant digits on log-probs of magnitude ~5.
+    tolerance = 0.1 if overrides.get("dtype") == "bfloat16" else 1e-5
+    torch.testing.assert_close(engine.compute_logprobs(make_batch()), expected,
+                               atol=tolerance, rtol=0)
+    before = engine.hf_state_dict()
+    calls = []
+    engine.model.hf.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    stats = engine.train_batch(make_batch(), nll_loss)
+    after = engine.hf_state_dict()
+    # Checkpointing runs each layer's forward again in backward.
+    recomputed = 2 if overrides.get("gradient_checkpointing") else 1
+    assert len(calls) == recomputed * stats["n_mbs"]
+    assert all(v.dtype == torch.float32 for v in after.values())  # fp32 master weights
+    assert not [name for name in before if torch.equal(before[name], after[name])]
+    engine.destroy()
+
+
+def test_init_from_scratch_ignores_the_saved_weights(tiny_path):
+    pretrained = make_engine(tiny_path)
+    scratch = make_engine(tiny_path, init_from_scratch=True)
+    ours, theirs = pretrained.hf_state_dict(), scratch.hf_state_dict()
+    assert ours.keys() == theirs.keys()
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(ours[name], theirs[name])
+    pretrained.destroy()
+    scratch.destroy()
+
+
+def test_a_model_with_dropout_is_refused_with_the_field_named(tmp_path):
+    path = make_tiny_model(tmp_path / "model")
+    config_file = tmp_path / "model" / "config.json"
+    config_file.write_text(config_file.read_text().replace('"attention_dropout": 0.0',
+                                                           '"attention_dropout": 0.1'))
+    engine = FSDPTrainEngine(ActorConfig(path=path), total_steps=1)
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        engine.initialize()
+    engine.destroy()
