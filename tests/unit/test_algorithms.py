@@ -183,3 +183,25 @@ def test_decoupled_loss_needs_prox_logprobs():
     mb = make_batch([0], [[1]], advantages=[[1.0]])
     with pytest.raises(ValueError, match="prox_logprobs"):
         make_ppo_loss_fn(ActorConfig(path="x"))(torch.zeros(1, 1), mb, n_tokens=1, n_seqs=1)
+
+
+def test_prox_from_the_current_forward_equals_a_separate_recomputation():
+    # One optimiser step per batch: prox is the pre-update policy, i.e. this forward.
+    logp = torch.tensor([[-0.5, -1.0, -2.0]], requires_grad=True)
+    behav = [[-0.7, -0.9, -3.0]]  # weights prox/behav: e^0.2, e^-0.1, e^1.0
+    adv = [[1.0, -1.0, 2.0]]
+    cfg = ActorConfig(path="x", behav_imp_weight_cap=2.0)  # caps the third token (e^1 > 2)
+    fused = make_batch([0], [[1, 1, 1]], behavior_logprobs=behav, advantages=adv)
+    loss_fused, stats_fused = make_ppo_loss_fn(cfg, prox_is_current=True)(
+        logp, fused, n_tokens=3, n_seqs=1)
+    (grad_fused,) = torch.autograd.grad(loss_fused, logp)
+    separate = make_batch([0], [[1, 1, 1]], behavior_logprobs=behav, advantages=adv,
+                          prox_logprobs=logp.detach().tolist())
+    loss_sep, stats_sep = make_ppo_loss_fn(cfg)(logp, separate, n_tokens=3, n_seqs=1)
+    (grad_sep,) = torch.autograd.grad(loss_sep, logp)
+    # ratio 1 everywhere: loss = -(1 * e^0.2 + (-1) * e^-0.1) / 3, third token capped
+    expected = -(math.exp(0.2) - math.exp(-0.1)) / 3
+    assert loss_fused.item() == pytest.approx(expected, abs=1e-6)
+    assert loss_sep.item() == pytest.approx(expected, abs=1e-6)
+    torch.testing.assert_close(grad_fused, grad_sep)
+    assert stats_fused == stats_sep and stats_fused["capped_tokens"] == 1.0

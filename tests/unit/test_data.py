@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pickle
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from asyncrl.data import (
 )
 from asyncrl.models.tiny import make_tiny_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
 
 ROWS = [
     {"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
@@ -88,11 +86,8 @@ def test_hf_id_without_datasets_package_says_how_to_install():
         load_dataset(DatasetConfig(path="openai/gsm8k"))
 
 
-def test_real_gsm8k_folder_loads_by_split():
-    folder = Path(os.environ.get("ASYNCRL_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
-    if not (folder / "test.jsonl").is_file():
-        pytest.skip(f"GSM8K data not found at {folder} (set ASYNCRL_GSM8K_DIR)")
-    items = load_dataset(DatasetConfig(path=str(folder), split="test", size=3))
+def test_real_gsm8k_folder_loads_by_split(gsm8k_dir):
+    items = load_dataset(DatasetConfig(path=str(gsm8k_dir), split="test", size=3))
     assert [i["answer"] for i in items] == ["18", "3", "70000"]
     assert {i["task"] for i in items} == {"gsm8k"}
 

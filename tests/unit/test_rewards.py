@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from pathlib import Path
 
@@ -16,19 +15,11 @@ from asyncrl.rewards import (
     resolve_reward_fn,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def gsm8k_dir() -> Path:
-    path = Path(os.environ.get("ASYNCRL_GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
-    if not (path / "test.jsonl").is_file():
-        pytest.skip(f"GSM8K data not found at {path} (set ASYNCRL_GSM8K_DIR)")
-    return path
 
 
 @pytest.fixture(scope="module")
-def gsm8k_test_items() -> list[dict]:
-    return load_jsonl(gsm8k_dir() / "test.jsonl", limit=200)
+def gsm8k_test_items(gsm8k_dir) -> list[dict]:
+    return load_jsonl(gsm8k_dir / "test.jsonl", limit=200)
 
 
 # Module level, so that a worker process can import it by reference.

@@ -161,3 +161,23 @@ def test_resume_loses_and_repeats_no_item():
             assert step - t.start_version <= eta
     # the staleness counters continue: accepted counts every episode ever accepted
     assert resumed.staleness.accepted >= (3 + 4) * B
+
+
+class DeadEngineWorkflow(SleepyWorkflow):
+    async def run(self, engine, item):
+        from asyncrl.api import InferenceError
+
+        raise InferenceError("server http://127.0.0.1:1 unreachable after 3 retries")
+
+
+def test_a_dead_engine_stops_the_run_at_once_and_keeps_the_item():
+    ctrl = make_controller(0, workflow=DeadEngineWorkflow(), max_failed=100)
+    ctrl.start()
+    try:
+        with pytest.raises(RolloutError, match="InferenceError: server http://127.0.0.1:1 unreachable"):
+            ctrl.next_batch(timeout=30)
+    finally:
+        ctrl.stop()
+    # no more episodes start, and every item taken from the stream is kept for a resume
+    state = ctrl.state_dict()
+    assert sorted(item["n"] for item in state["pending"]) == list(range(state["stream"]["position"]))

@@ -1,5 +1,6 @@
 """Contracts shared by every package: typed data and the engine/workflow/reward protocols."""
 
+from asyncrl.api.errors import InferenceError
 from asyncrl.api.protocols import InferenceEngine, LossFn, RewardFn, TrainEngine, Workflow
 from asyncrl.api.types import (
     Batch,
@@ -12,6 +13,6 @@ from asyncrl.api.types import (
 )
 
 __all__ = [
-    "Batch", "GenerationRequest", "GenerationResponse", "InferenceEngine", "LossFn", "RewardFn",
+    "Batch", "GenerationRequest", "GenerationResponse", "InferenceEngine", "InferenceError", "LossFn", "RewardFn",
     "SamplingParams", "StopReason", "TensorBatch", "TrainEngine", "Trajectory", "Workflow",
 ]

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from asyncrl.api.errors import InferenceError
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 
 T = TypeVar("T")
@@ -26,7 +27,7 @@ _RETRY_BACKOFF_S = 0.25  # doubled after each failed connection attempt
 _MAX_PINNED_RIDS = 100_000  # rid -> server memory, oldest forgotten first
 
 
-class InferenceServerError(RuntimeError):
+class InferenceServerError(InferenceError):
     """A server could not be reached, timed out, or answered with an error."""
 
 

@@ -24,7 +24,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.api import Batch, InferenceEngine, Trajectory, Workflow
+from asyncrl.api import Batch, InferenceEngine, InferenceError, Trajectory, Workflow
 from asyncrl.rollout.staleness import StalenessManager
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,8 @@ class RolloutController:
 
     def _raise_if_broken(self) -> None:
         if self._crash is not None:
-            raise RolloutError(f"the rollout thread crashed: {self._crash!r}") from self._crash
+            raise RolloutError(f"rollout stopped: {type(self._crash).__name__}: {self._crash}") \
+                from self._crash
         if self._thread is None:
             raise RolloutError("the rollout controller is not running")
         failed = self._counts["episodes_failed"]
@@ -249,7 +250,7 @@ class RolloutController:
 
     def _submit_allowed(self) -> None:
         """Start as many episodes as the staleness bound allows (holding the lock)."""
-        if self._paused:
+        if self._paused or self._crash is not None:
             return
         for _ in range(self.staleness.capacity(self._version)):
             item = self._pending.popleft() if self._pending else self.stream.next()
@@ -265,6 +266,9 @@ class RolloutController:
             trajectories = await self.workflow.run(self.engine, running.item)
         except asyncio.CancelledError:
             raise
+        except InferenceError as err:  # a broken engine: stop, naming the cause
+            self._on_failure(seq, running, err, fatal=True)
+            return
         except Exception as err:  # noqa: BLE001 - counted, logged with its input, reported
             self._on_failure(seq, running, err)
             return
@@ -284,14 +288,18 @@ class RolloutController:
             self._cond.notify_all()
         self._wake.set()
 
-    def _on_failure(self, seq: int, running: _Running, err: Exception) -> None:
+    def _on_failure(self, seq: int, running: _Running, err: Exception, *, fatal: bool = False) -> None:
         item_id = running.item.get("id", "?") if isinstance(running.item, dict) else "?"
         message = f"item {item_id}: {type(err).__name__}: {err}"
         logger.error("episode failed: %s", message)
         with self._cond:
             del self._running[seq]
+            if fatal:  # the item is not at fault: run it again after a resume
+                self._pending.append(running.item)
             self.staleness.on_reject()
             self._counts["episodes_failed"] += 1
             self._failures.append(message)
+            if fatal and self._crash is None:
+                self._crash = err
             self._cond.notify_all()
         self._wake.set()

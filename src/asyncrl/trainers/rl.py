@@ -16,11 +16,11 @@ from typing import Any
 from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn
 from asyncrl.api import Batch, TensorBatch
 from asyncrl.config import ExperimentConfig, to_yaml
-from asyncrl.data import ItemStream, load_dataset
+from asyncrl.data import ItemStream, filter_by_length, load_dataset
 from asyncrl.inference import RemoteInferenceEngine
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.observe import ProgressBar, StatsLogger, plot_reward_curve
-from asyncrl.rollout import RolloutController, evaluate
+from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve
+from asyncrl.rollout import RolloutController, RolloutError, evaluate
 from asyncrl.scheduler import LocalScheduler
 from asyncrl.trainers import recover
 from asyncrl.trainers.paths import RunPaths, setup_logging
@@ -45,6 +45,9 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         trainer = RLTrainer(cfg, paths, model_path, addresses)
         try:
             return trainer.train()
+        except RolloutError:
+            scheduler.check_alive()  # a dead server explains it best, with its log's tail
+            raise
         finally:
             trainer.close()
 
@@ -61,7 +64,8 @@ class RLTrainer:
             request_retries=cfg.rollout.request_retries,
             update_weights_timeout=cfg.rollout.update_weights_timeout)
         self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
-        train_items = load_dataset(cfg.train_dataset)
+        train_items = filter_by_length(load_dataset(cfg.train_dataset), self.workflow.prompt_ids,
+                                       cfg.train_dataset.max_length)
         B = cfg.rollout.consumer_batch_size
         steps_per_epoch = len(train_items) // B
         if steps_per_epoch == 0:
@@ -80,7 +84,9 @@ class RLTrainer:
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
         self.actor = FSDPTrainEngine(cfg.actor, total_steps=self.total_steps, seed=cfg.seed)
         self.actor.initialize()
-        self.loss_fn = make_ppo_loss_fn(cfg.actor)
+        # One optimiser step per batch: the proximal log-probs come from the training forward.
+        self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.ppo_n_minibatches == 1
+        self.loss_fn = make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss)
         self.publisher = WeightPublisher(paths.weights, self.engine,
                                          dtype=cfg.local_engine.dtype, run=self.rollout.run_coroutine)
         self.stats = StatsLogger(paths.root, cfg.stats_logger,
@@ -101,15 +107,16 @@ class RLTrainer:
         self.rollout.resume()
         bar = ProgressBar(self.total_steps, initial=step, enabled=self.cfg.stats_logger.progress_bar)
         while step < self.total_steps:
-            t0 = time.monotonic()
-            batch, stats = self.rollout.next_batch()
-            t1 = time.monotonic()
-            stats |= self._train_step(batch)
-            t2 = time.monotonic()
-            stats |= self.publisher.publish(self.actor, version=step + 1)
+            timer = StepTimer()
+            with timer("wait_batch_s"):
+                batch, stats = self.rollout.next_batch()
+            with timer("train_s"):
+                stats |= self._train_step(batch)
+            with timer("publish_s"):
+                stats |= self.publisher.publish(self.actor, version=step + 1)
             self.rollout.set_version(step + 1)
             step += 1
-            stats |= _perf_stats(batch, t0, t1, t2, time.monotonic())
+            stats |= _throughput(batch, timer.stats())
             self.stats.log(step, stats)
             bar.update(stats)
             self._periodic(step)
@@ -122,7 +129,7 @@ class RLTrainer:
 
     def _train_step(self, batch: Batch) -> dict[str, float]:
         tb = batch.to_tensors(self.tokenizer.pad_token_id or 0)
-        if self.cfg.actor.recompute_logprob:
+        if self.cfg.actor.recompute_logprob and not self.prox_in_loss:
             tb.prox_logprobs = self.actor.compute_logprobs(tb)
         tb.advantages = compute_advantages(tb, self.cfg.actor)
         stats: dict[str, float] = {}
@@ -181,13 +188,8 @@ def _split(tb: TensorBatch, n: int) -> list[TensorBatch]:
     return [tb.select(list(range(a, b))) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _perf_stats(batch: Batch, t0: float, t1: float, t2: float, t3: float) -> dict[str, float]:
+def _throughput(batch: Batch, perf: dict[str, float]) -> dict[str, float]:
+    """Trained tokens (prompt and completion) per second of the whole step, waiting included."""
     tokens = sum(t.n_tokens for t in batch)
-    return {
-        "perf/wait_batch_s": t1 - t0,
-        "perf/train_s": t2 - t1,
-        "perf/publish_s": t3 - t2,
-        "perf/step_s": t3 - t0,
-        "perf/trained_tokens": float(tokens),
-        "perf/trained_tokens_per_s": tokens / max(t3 - t0, 1e-9),
-    }
+    return {**perf, "perf/trained_tokens": float(tokens),
+            "perf/trained_tokens_per_s": tokens / max(perf["perf/step_s"], 1e-9)}
