@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run asynchronous RL from a YAML config")
-    p.add_argument("--config", required=True, help="YAML config file")
+    p.add_argument("--config", default=None, help="YAML config file (else defaults + overrides)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optimizer.lr=1e-6")
     p.set_defaults(func=_train)
     p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from procs import server_pids
 
 from asyncrl.config import load_config
 from asyncrl.models.tiny import make_tiny_model
@@ -13,24 +14,9 @@ from asyncrl.trainers.rl import train
 pytestmark = pytest.mark.integration
 
 
-def _server_pids(model_path: str) -> list[int]:
-    """Live processes running an inference server on `model_path`."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"asyncrl.inference.server" in cmd and model_path.encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
-
-
 def _config(tmp_path, model, eta, steps, extra=()):
     return load_config(None, [
-        f"experiment_name=e2e", f"trial_name=eta{eta}", f"cluster.fileroot={tmp_path / 'runs'}",
+        "experiment_name=e2e", f"trial_name=eta{eta}", f"cluster.fileroot={tmp_path / 'runs'}",
         f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
         "local_engine.dtype=float32", "local_engine.max_batch_size=16",
         "local_engine.max_seq_len=256",
@@ -64,9 +50,11 @@ def test_two_async_steps_end_to_end(tmp_path, tiny_model):
         assert r["perf/trained_tokens"] > 0
         assert r["train/grad_norm"] > 0
     assert (run / "reward_curve.png").stat().st_size > 0
+    samples = read_stats(run / "eval" / "step2.jsonl")  # what the model wrote, per item
+    assert len(samples) == eval_rows[-1]["eval/n"] and {"question", "completion"} <= set(samples[0])
     assert (run / "weights" / "v2").is_dir()  # the last published version
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
-    assert not _server_pids(tiny_model), "an inference server outlived its run"
+    assert not server_pids(tiny_model), "an inference server outlived its run"
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):

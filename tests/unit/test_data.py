@@ -11,10 +11,14 @@ import pytest
 
 from asyncrl.config.schema import DatasetConfig
 from asyncrl.data import (
-    DatasetError, ItemStream, build_messages, encode_chat, filter_by_length, load_dataset,
+    DatasetError,
+    ItemStream,
+    build_messages,
+    encode_chat,
+    filter_by_length,
+    load_dataset,
 )
 from asyncrl.models.tiny import make_tiny_tokenizer
-
 
 ROWS = [
     {"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
@@ -200,3 +204,42 @@ def test_filter_by_length_drops_long_prompts():
     assert filter_by_length(items, prompt_ids, None) == items
     with pytest.raises(ValueError, match="all 2 prompts are longer than max_length=10"):
         filter_by_length(items, prompt_ids, 10)
+
+
+class _FakeHFDataset:
+    """The slice of `datasets.Dataset` that the loader uses."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def select(self, indices):
+        return _FakeHFDataset([self.rows[i] for i in indices])
+
+
+def test_hf_dataset_id_is_loaded_through_the_datasets_package(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+
+    def fake_load_dataset(path, split=None, **kwargs):  # datasets.load_dataset's signature
+        calls.append((path, split, kwargs))
+        return _FakeHFDataset([
+            {"question": "2 + 2?", "answer": "Add them.\n#### 4"},
+            {"question": "1,000 + 1?", "answer": "#### 1,001"},
+            {"question": "unused", "answer": "#### 0"},
+        ])
+
+    monkeypatch.setitem(sys.modules, "datasets",
+                        types.SimpleNamespace(load_dataset=fake_load_dataset))
+    items = load_dataset(DatasetConfig(path="openai/gsm8k", split="test", size=2,
+                                       task_kwargs={"name": "main"}))
+    assert calls == [("openai/gsm8k", "test", {"name": "main"})]
+    assert [(i["question"], i["answer"], i["task"]) for i in items] == [
+        ("2 + 2?", "4", "gsm8k"), ("1,000 + 1?", "1001", "gsm8k")]

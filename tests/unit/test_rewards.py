@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from pathlib import Path
 
 import pytest
 
 from asyncrl.data import load_jsonl
 from asyncrl.rewards import (
-    RewardError, RewardRunner, RewardTimeout, extract_final_answer, gsm8k_reward,
+    RewardError,
+    RewardRunner,
+    RewardTimeout,
+    extract_final_answer,
+    gsm8k_reward,
     resolve_reward_fn,
 )
-
 
 
 @pytest.fixture(scope="module")

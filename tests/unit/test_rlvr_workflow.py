@@ -136,19 +136,22 @@ def test_eval_copy_is_greedy_with_one_sample(tok):
     assert engine.requests[0].sampling.max_new_tokens == 8
 
 
-def test_quickstart_preset_is_a_valid_config_whose_gold_answers_score_one(tmp_path):
-    from omegaconf import OmegaConf
+def test_quickstart_recipe_is_a_valid_config_whose_gold_answers_score_one():
+    from importlib import resources
 
     from asyncrl.config.loader import load_config
-    from asyncrl.data import load_dataset
+    from asyncrl.data import held_out, load_dataset
     from asyncrl.rewards import resolve_reward_fn
-    from asyncrl.workflows.presets import QUICKSTART
 
-    path = tmp_path / "quickstart.yaml"
-    OmegaConf.save(OmegaConf.create(QUICKSTART), path)
-    cfg = load_config(path)
-    assert cfg.workflow.few_shot == QUICKSTART["workflow"]["few_shot"]
+    cfg = load_config(resources.files("asyncrl.recipes") / "quickstart.yaml")
+    assert cfg.workflow.few_shot == [{"question": "Calculate 23 + 45.",
+                                      "answer": "23 + 45 = 68. <answer>68</answer>"}]
     items = load_dataset(cfg.valid_dataset)
-    assert len(items) == 64 and all("+" in i["question"] for i in items)
+    train = load_dataset(cfg.train_dataset)
+    assert len(items) == 128 and all("+" in i["question"] for i in items)
+    # two-digit sums are few: some held-out questions occur in training and are dropped
+    kept = held_out(items, train)
+    assert 100 <= len(kept) < 128
+    assert not {i["question"] for i in kept} & {i["question"] for i in train}
     reward = resolve_reward_fn(cfg.workflow.reward_fn)
     assert all(reward(f"<answer>{i['answer']}</answer>", i) == 1.0 for i in items)

@@ -201,13 +201,15 @@ async def run_server(engine: LocalEngine, *, host: str, port: int, model_name: s
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
           config: LocalEngineConfig | None = None, seed: int = 0, threads: int | None = None,
-          api_key: str | None = None) -> None:
+          api_key: str | None = None, device: str = "auto") -> None:
     """Load `model` (a name or HF folder), start the engine and serve HTTP until signalled."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    engine = LocalEngine(model, config, seed=seed)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LocalEngine(model, config, seed=seed, device=device)
     engine.start()
     asyncio.run(run_server(engine, host=host, port=port, model_name=model, api_key=api_key))
 
@@ -227,6 +229,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-recompute-kv-on-update", action="store_true",
                    help="keep the stale KV cache of in-flight sequences after a weight update")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto: cuda if present")
     return p.parse_args(argv)
 
 
@@ -238,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                max_seq_len=args.max_seq_len,
                                recompute_kv_on_update=not args.no_recompute_kv_on_update)
     serve(args.model, host=args.host, port=args.port, config=config, seed=args.seed,
-          threads=args.threads, api_key=os.environ.get("ASYNCRL_API_KEY") or None)
+          threads=args.threads, api_key=os.environ.get("ASYNCRL_API_KEY") or None,
+          device=args.device)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 from asyncrl.observe.plot import plot_reward_curve
 from asyncrl.observe.progress import ProgressBar
-from asyncrl.observe.stats import StatsLogger, read_stats
+from asyncrl.observe.stats import StatsLogger, read_stats, write_samples
 from asyncrl.observe.timing import StepTimer
 
-__all__ = ["ProgressBar", "StatsLogger", "StepTimer", "plot_reward_curve", "read_stats"]
+__all__ = ["ProgressBar", "StatsLogger", "StepTimer", "plot_reward_curve", "read_stats",
+           "write_samples"]

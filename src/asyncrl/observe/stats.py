@@ -59,3 +59,15 @@ def read_stats(path: Path) -> list[dict[str, Any]]:
     """The rows of a stats.jsonl file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def write_samples(path: Path, trajectories: list) -> Path:
+    """One JSON line per trajectory: what the model wrote, the gold answer, the reward."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for t in trajectories:
+            row = {"reward": t.reward, "stop_reason": t.stop_reason.value,
+                   "output_tokens": t.n_output_tokens,
+                   **{k: v for k, v in t.meta.items() if isinstance(v, (str, int, float, bool))}}
+            f.write(json.dumps(row) + "\n")
+    return path

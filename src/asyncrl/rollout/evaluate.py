@@ -6,14 +6,17 @@ import asyncio
 import logging
 from typing import Any
 
-from asyncrl.api import InferenceEngine, Workflow
+from asyncrl.api import InferenceEngine, Trajectory, Workflow
 
 logger = logging.getLogger(__name__)
 
 
 async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict[str, Any]], *,
-                   concurrency: int) -> dict[str, float]:
-    """Mean reward of `workflow` over `items`; failed items are counted, logged and excluded."""
+                   concurrency: int) -> tuple[dict[str, float], list[Trajectory]]:
+    """Mean reward of `workflow` over `items`, and the trajectories.
+
+    Failed items are counted, logged with their cause and excluded from the mean.
+    """
     sem = asyncio.Semaphore(concurrency)
 
     async def one(item: dict[str, Any]):
@@ -30,9 +33,10 @@ async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict
             trajectories.extend(result)
     if not trajectories:
         raise RuntimeError(f"evaluation failed on all {len(items)} items; see the log for causes")
-    return {
+    stats = {
         "eval/reward": sum(t.reward for t in trajectories) / len(trajectories),
         "eval/n": float(len(trajectories)),
         "eval/failed": float(failures),
         "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(trajectories),
     }
+    return stats, trajectories

@@ -91,6 +91,7 @@ class LocalScheduler:
         self.log_dir = Path(log_dir)
         self.servers: list[ServerProcess] = []
         self.trainer_cores: list[int] = []
+        self._unpinned: tuple[set[int], int] | None = None  # affinity and threads before pinning
 
     def __enter__(self) -> LocalScheduler:
         return self
@@ -158,13 +159,24 @@ class LocalScheduler:
             f"{server.log_path}:\n{server.log_tail()}")
 
     def pin_trainer(self) -> int:
-        """Pin this process to the trainer's cores; returns the thread count to use."""
+        """Pin this process to the trainer's cores until `stop_all`; returns its thread count."""
         import torch
 
         if self.trainer_cores:
+            self._unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
             os.sched_setaffinity(0, self.trainer_cores)
             torch.set_num_threads(len(self.trainer_cores))
         return torch.get_num_threads()
+
+    def _unpin_trainer(self) -> None:
+        """Give the process its cores back (a later run in this process splits them anew)."""
+        import torch
+
+        if self._unpinned is not None:
+            cores, threads = self._unpinned
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._unpinned = None
 
     def check_alive(self) -> None:
         """Raise if a server has died since start-up."""
@@ -187,3 +199,4 @@ class LocalScheduler:
                 server.proc.kill()
                 server.proc.wait()
         self.servers = []
+        self._unpin_trainer()

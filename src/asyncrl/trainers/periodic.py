@@ -9,11 +9,11 @@ from typing import Any
 class Periodic:
     """Due when any of `freq_steps`, `freq_epochs` (in steps) or `freq_secs` has elapsed."""
 
-    def __init__(self, cfg: Any, steps_per_epoch: int) -> None:
+    def __init__(self, cfg: Any, steps_per_epoch: int, *, now: float | None = None) -> None:
         self.freq_steps = cfg.freq_steps
         self.freq_epoch_steps = cfg.freq_epochs * steps_per_epoch if cfg.freq_epochs else None
         self.freq_secs = cfg.freq_secs
-        self._last_time = time.monotonic()
+        self._last_time = time.monotonic() if now is None else now
 
     @property
     def enabled(self) -> bool:

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn
 from asyncrl.api import Batch, TensorBatch
 from asyncrl.config import ExperimentConfig, to_yaml
-from asyncrl.data import ItemStream, filter_by_length, load_dataset
+from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference import RemoteInferenceEngine
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve
+from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
 from asyncrl.rollout import RolloutController, RolloutError, evaluate
 from asyncrl.scheduler import LocalScheduler
 from asyncrl.trainers import recover
@@ -80,7 +79,8 @@ class RLTrainer:
             consumer_batch_size=B, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
             max_concurrent_rollouts=cfg.rollout.concurrency,
             max_failed_episodes=cfg.rollout.max_failed_episodes)
-        self.valid_items = load_dataset(cfg.valid_dataset) if cfg.valid_dataset else []
+        self.valid_items = (held_out(load_dataset(cfg.valid_dataset), train_items)
+                            if cfg.valid_dataset else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
         self.actor = FSDPTrainEngine(cfg.actor, total_steps=self.total_steps, seed=cfg.seed)
         self.actor.initialize()
@@ -148,10 +148,11 @@ class RLTrainer:
             self._evaluate(step, f"eval_step{step}")
 
     def _evaluate(self, step: int, name: str) -> None:
-        stats = self.rollout.run_coroutine(evaluate(
+        stats, trajectories = self.rollout.run_coroutine(evaluate(
             self.engine, self.eval_workflow, self.valid_items,
             concurrency=self.cfg.local_engine.max_batch_size))
         self.stats.log(step, stats, kind="eval")
+        write_samples(self.paths.root / "eval" / f"step{step}.jsonl", trajectories)
         self.summary[name] = stats["eval/reward"]
         logger.info("%s: held-out reward %.4f over %d items (step %d)",
                        name, stats["eval/reward"], int(stats["eval/n"]), step)

@@ -111,6 +111,7 @@ class RLVRWorkflow:
         return {
             "task_id": item["id"],
             "task": item.get("task", ""),
+            "question": item["question"],
             "sample_index": index,
             "completion": completion,
             "gold_answer": item.get("answer"),
