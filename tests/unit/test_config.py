@@ -93,3 +93,8 @@ def test_missing_dataset_path_is_explained(tmp_path):
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.train_dataset.path
+
+
+def test_several_nodes_with_the_local_scheduler_is_explained(base_yaml):
+    with pytest.raises(ConfigError, match="cluster.n_nodes=2 but scheduler.type=local"):
+        load_config(base_yaml, ["cluster.n_nodes=2"])

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from asyncrl.api.types import Batch, GenerationRequest, GenerationResponse, TensorBatch, Trajectory
+from asyncrl.api.types import GenerationRequest, GenerationResponse, TensorBatch, Trajectory
 
 
 @runtime_checkable
@@ -83,5 +82,3 @@ class RewardFn(Protocol):
 
     def __call__(self, completion: str, item: dict[str, Any]) -> float: ...
 
-
-BatchFilter = Callable[[Batch], Batch]

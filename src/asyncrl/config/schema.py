@@ -20,7 +20,7 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    n_nodes: int = 1
+    n_nodes: int = 1  # more than one needs a multi-node scheduler (not available yet)
     n_gpus_per_node: int = 0  # 0: a CPU machine
     # Root of run directories: <fileroot>/<experiment_name>/<trial_name>/. Empty: the user
     # cache dir (~/.cache/asyncrl/experiments).
@@ -259,7 +259,7 @@ class ExperimentConfig:
     seed: int = 1
     total_train_epochs: int = 1
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
-    tokenizer_path: str = "${actor.path}"
+    tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -278,6 +278,9 @@ class ExperimentConfig:
         _check(self.total_train_epochs >= 1, f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
         _check(self.total_train_steps is None or self.total_train_steps >= 1,
                f"total_train_steps must be >= 1 or null, got {self.total_train_steps}")
+        _check(self.cluster.n_nodes == 1,
+               f"cluster.n_nodes={self.cluster.n_nodes} but scheduler.type=local runs on one "
+               "machine; set cluster.n_nodes=1")
         _check(bool(self.train_dataset.path), "train_dataset.path is empty: give a JSONL file or "
                "folder, an HF dataset id, or reasoning_gym:<task>")
         for name, norm in (("reward_norm", self.actor.reward_norm), ("adv_norm", self.actor.adv_norm)):

@@ -41,7 +41,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         addresses = scheduler.launch_inference_servers(
             model_path, cfg.local_engine, n_servers=cfg.rollout.n_servers, seed=cfg.seed)
         scheduler.pin_trainer()
-        trainer = RLTrainer(cfg, paths, model_path, addresses)
+        trainer = RLTrainer(cfg, paths, addresses)
         try:
             return trainer.train()
         except RolloutError:
@@ -52,12 +52,11 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 class RLTrainer:
-    def __init__(self, cfg: ExperimentConfig, paths: RunPaths, model_path: str,
-                 addresses: list[str]) -> None:
+    def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str]) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.engine = RemoteInferenceEngine(
             addresses, request_timeout=cfg.rollout.request_timeout,
             request_retries=cfg.rollout.request_retries,
