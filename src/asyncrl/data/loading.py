@@ -13,6 +13,7 @@ An item is a plain, picklable dict:
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ REASONING_GYM_PREFIX = "reasoning_gym:"
 # File names that say which split a file is, not which dataset: the task is then named
 # after the folder ("gsm8k/test.jsonl" is task "gsm8k").
 _SPLIT_NAMES = {"train", "test", "valid", "validation", "dev", "eval"}
+
+logger = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -47,6 +50,18 @@ def load_dataset(cfg: DatasetConfig) -> list[dict[str, Any]]:
     if path.startswith((".", "/", "~")) or path.endswith(".jsonl"):
         raise DatasetError(f"dataset path {path!r} does not exist")
     return load_hf(path, split=cfg.split, limit=cfg.size, **cfg.task_kwargs)
+
+
+def held_out(items: list[dict[str, Any]], train_items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`items` without those whose question is also a training question (decontamination)."""
+    seen = {item["question"] for item in train_items}
+    kept = [item for item in items if item["question"] not in seen]
+    if len(kept) < len(items):
+        logger.info("held-out set: dropped %d of %d items that also appear in the training set",
+                    len(items) - len(kept), len(items))
+    if not kept:
+        raise ValueError(f"all {len(items)} held-out items also appear in the training set")
+    return kept
 
 
 # -- JSONL ------------------------------------------------------------------------------

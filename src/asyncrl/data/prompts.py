@@ -52,15 +52,3 @@ def filter_by_length(items: list[dict[str, Any]], prompt_ids: Callable[[dict[str
         logger.info("dropped %d of %d prompts longer than %d tokens",
                     len(items) - len(kept), len(items), max_length)
     return kept
-
-
-def held_out(items: list[dict[str, Any]], train_items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`items` without those whose question is also a training question (decontamination)."""
-    seen = {item["question"] for item in train_items}
-    kept = [item for item in items if item["question"] not in seen]
-    if len(kept) < len(items):
-        logger.info("held-out set: dropped %d of %d items that also appear in the training set",
-                    len(items) - len(kept), len(items))
-    if not kept:
-        raise ValueError(f"all {len(items)} held-out items also appear in the training set")
-    return kept

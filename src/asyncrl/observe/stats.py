@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.api import Trajectory
 from asyncrl.config.schema import StatsLoggerConfig
 
 
@@ -61,7 +62,7 @@ def read_stats(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_samples(path: Path, trajectories: list) -> Path:
+def write_samples(path: Path, trajectories: list[Trajectory]) -> Path:
     """One JSON line per trajectory: what the model wrote, the gold answer, the reward."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
