@@ -45,6 +45,14 @@ def print_summary(summary: dict) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    return _serve_backend(args)
+
+
+def _serve_backend(args: argparse.Namespace) -> int:
+    """Start the inference server of `args.backend` (with its OpenAI routes) until signalled."""
+    if args.backend != "local":
+        raise SystemExit(f"asyncrl serve: --backend {args.backend} is not wired yet; "
+                         "use --backend local")
     from asyncrl.inference.server import main as server_main
 
     argv = ["--model", args.model, "--host", args.host, "--port", str(args.port)]
@@ -64,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart recipe")
     p.set_defaults(func=_quickstart)
-    p = sub.add_parser("serve", help="start the local inference server alone")
+    p = sub.add_parser("serve", help="start an inference server alone (with OpenAI /v1 routes)")
+    p.add_argument("--backend", default="local", choices=["local", "vllm", "sglang"])
     p.add_argument("--model", required=True, help="HF folder, hub id or named model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -35,6 +35,8 @@ from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample
 logger = logging.getLogger(__name__)
 
 Callback = Callable[["GenerationResponse | BaseException"], None]
+# Called from the engine thread with (token id, log-prob, weight version) of each new token.
+TokenCallback = Callable[[int, float, int], None]
 # Padded tokens per prefill forward: bounds the pause that admitting requests imposes on
 # the sequences already decoding (and the activation memory of one prefill).
 PREFILL_TOKEN_BUDGET = 8192
@@ -46,6 +48,7 @@ class _Seq:
     on_done: Callback
     stop: StopChecker
     t_submit: float
+    on_token: TokenCallback | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -137,10 +140,15 @@ class LocalEngine:
             done.set_exception(error)
         self._fail_all(error)
 
-    def submit(self, req: GenerationRequest, on_done: Callback) -> None:
-        """Queue `req`; `on_done` later gets its response or exception, from the engine thread."""
+    def submit(self, req: GenerationRequest, on_done: Callback,
+               on_token: TokenCallback | None = None) -> None:
+        """Queue `req`; `on_done` later gets its response or exception, from the engine thread.
+
+        `on_token`, if given, gets each token as it is sampled (before `on_done`); it runs in
+        the engine thread, so it must only hand the token over (e.g. call_soon_threadsafe).
+        """
         self._check_request(req)
-        seq = _Seq(req=req, on_done=on_done, t_submit=time.monotonic(),
+        seq = _Seq(req=req, on_done=on_done, t_submit=time.monotonic(), on_token=on_token,
                    stop=StopChecker(req.sampling, self.eos_ids, self._decode_text))
         with self._cond:
             if self._stopping:
@@ -292,6 +300,8 @@ class LocalEngine:
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
+            if seq.on_token is not None:
+                seq.on_token(tok, lp, self.version)
             if seq.stop.is_stop(seq.output_ids):
                 finished.append((i, StopReason.STOP))
             elif (len(seq.output_ids) >= seq.req.sampling.max_new_tokens

@@ -2,7 +2,8 @@
 
     python -m asyncrl.inference.server --model smollm2-135m-instruct --port 8000
 
-Endpoints: POST /generate, /pause, /resume, /update_weights; GET /health, /version.
+Endpoints: POST /generate, /pause, /resume, /update_weights; GET /health, /version;
+and OpenAI's GET /v1/models, POST /v1/completions, /v1/chat/completions (openai_api.py).
 If $ASYNCRL_API_KEY is set, every endpoint but /health needs `Authorization: Bearer <key>`.
 Handlers never run model code: /generate awaits a future that the engine thread resolves
 (via call_soon_threadsafe); blocking engine calls run in the default executor.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -27,6 +27,8 @@ from aiohttp import web
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.engine import LocalEngine
+from asyncrl.inference.local_backend import LocalBackend
+from asyncrl.inference.openai_api import OpenAIRoutes, key_matches, unauthorized
 
 logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = {f.name: f.type for f in fields(SamplingParams)}
@@ -112,13 +114,15 @@ class InferenceServer:
             web.post("/resume", self.resume), web.post("/update_weights", self.update_weights),
             web.get("/health", self.health), web.get("/version", self.version),
         ])
+        OpenAIRoutes(LocalBackend(engine), engine.tokenizer, model_name,
+                     max_model_len=engine.config.max_seq_len).add_to(self.app)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        if self.api_key and request.path != "/health" and not key_matches(request, self.api_key):
+            if request.path.startswith("/v1/"):  # OpenAI clients expect their error shape
+                return unauthorized()
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
         return await handler(request)
 
     @web.middleware
