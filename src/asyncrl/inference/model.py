@@ -153,6 +153,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(probs.transpose(-1, -2), v).view(b, h, 1, hd)
 
 
+def attention_kernel() -> Callable[..., None] | None:
+    """The C decode-attention kernel (kernels/decode_attention.c), or None where unavailable."""
+    import ctypes
+
+    from asyncrl.inference import kernels
+
+    lib = kernels.load("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.decode_attention_bf16
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p,
+                   i32]
+    fn.restype = None
+    return fn
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear weights can be prepacked for oneDNN (bf16 on CPU)."""
     return (dtype == torch.bfloat16 and device.type == "cpu"
@@ -329,6 +346,9 @@ class Transformer:
         sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)  # see apply_rope
         # Cast to the model dtype as HF does before rotating, so bf16 rotations agree.
         self.cos, self.sin = emb.cos().to(dtype).to(device), sin.to(dtype).to(device)
+        # One C call per layer writes the new keys/values and attends (CPU, bf16 only).
+        use_kernel = self.device.type == "cpu" and dtype == torch.bfloat16
+        self._attention_kernel = attention_kernel() if use_kernel else None
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.bfloat16,
@@ -421,6 +441,8 @@ class Transformer:
 
         `kv_len` = max(positions) + 1 bounds the attended cache slice.
         """
+        if self._attention_kernel is not None:
+            return self._decode_with_kernel(tokens, positions, cache)
         b, kv, t = tokens.shape[0], self.cfg.num_kv_heads, cache.max_seq_len
         # Row of each new key in a layer's cache viewed as [slots * kv * max_seq_len, hd]:
         # one index_copy_ per layer writes every (slot, head) at its own position.
@@ -441,3 +463,36 @@ class Transformer:
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]
         x = self._layers(F.embedding(tokens[:, None], self.w.embed), cos, sin, attend)
         return self._logits(x[:, 0])
+
+    def _decode_with_kernel(self, tokens: torch.Tensor, positions: torch.Tensor,
+                            cache: KVCache) -> torch.Tensor:
+        """`decode` with the C attention kernel: no mask, no index copies, exact lengths."""
+        c, kernel = self.cfg, self._attention_kernel
+        b, h, kv, hd, t = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, cache.max_seq_len
+        group = h // kv
+        out = torch.empty(b, h, 1, hd, dtype=self.dtype)
+        threads = torch.get_num_threads()
+        work = torch.empty(threads * (2 * group * hd + group * t), dtype=torch.float32)
+        pos = positions.contiguous()
+        scale = hd ** -0.5
+        ptr = _data_ptr
+
+        def attend(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q [B, H, 1, hd], k and v [B, KV, 1, hd]: views into one row per sequence
+            # whose heads are hd apart, which is the layout the kernel reads.
+            if n == 0:
+                for x in (q, k, v):
+                    if x.stride(1) != hd or x.stride(-1) != 1:
+                        raise AssertionError(f"unexpected strides {x.stride()} for the kernel")
+            kernel(ptr(q), ptr(k), ptr(v), q.stride(0), k.stride(0), v.stride(0),
+                   ptr(cache.k[n]), ptr(cache.v[n]), ptr(pos), ptr(out), b, h, kv, hd, t, scale,
+                   ptr(work), threads)
+            return out
+
+        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]
+        x = self._layers(F.embedding(tokens[:, None], self.w.embed), cos, sin, attend)
+        return self._logits(x[:, 0])
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()

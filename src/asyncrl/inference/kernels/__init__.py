@@ -1,0 +1,66 @@
+"""Small C kernels for the CPU decode path, compiled with the system's C compiler at first use.
+
+Each kernel is a plain C file next to this module. `load()` compiles it once into the
+asyncrl cache (keyed by the source and the compiler flags, so an edited kernel or another
+CPU gets its own build) and opens it with ctypes. No torch headers are needed, so a build
+takes about a second. When no compiler is available, `load()` returns None and callers
+keep their torch path; `ASYNCRL_NO_KERNELS=1` forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+
+
+def _build(name: str) -> Path:
+    from asyncrl.models.hub import cache_dir
+
+    source = (resources.files(__package__) / f"{name}.c").read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / f"{name}.c"
+        src.write_bytes(source)
+        lib = Path(tmp) / out.name
+        subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(lib, out)  # atomic: concurrent builders each write their own temp file
+    return out
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library `name`, or None (logged once) where it cannot be built."""
+    if os.environ.get("ASYNCRL_NO_KERNELS"):
+        return None
+    try:
+        return ctypes.CDLL(str(_build(name)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("C kernel %r unavailable, using the torch path: %s", name, detail)
+        return None
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    """The data pointer of a tensor, for a ctypes call."""
+    return ctypes.c_void_p(t.data_ptr())
