@@ -225,6 +225,7 @@ class HTTPInferenceEngine:
         return "; ".join(f"{self.addresses[i]}: {why}" for i, why in sorted(self._down.items()))
 
     async def _update_all(self, path: str, version: int) -> None:
+        self._start_health_task()
         async with self._get_update_lock():
             live = [i for i in range(len(self.addresses)) if i not in self._down]
             if not live:
@@ -249,6 +250,7 @@ class HTTPInferenceEngine:
         self._versions[idx] = version
 
     async def _check_servers(self) -> None:
+        self._start_health_task()
         async with self._get_update_lock():
             await self._gather([self._check_one(i) for i in range(len(self.addresses))])
 

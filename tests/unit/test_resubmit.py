@@ -1,0 +1,46 @@
+"""Generation across a weight update on servers whose pause aborts (vLLM's way), with fakes."""
+
+import asyncio
+
+from fake_vllm import FakeVLLMServers
+
+from asyncrl.api import GenerationRequest, SamplingParams
+from asyncrl.inference.vllm import VLLMInferenceEngine
+
+
+def test_interrupted_request_resumes_on_its_server_with_tokens_of_both_versions(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    fakes = FakeVLLMServers(2, token_s=0.02)
+    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+    prompt = [7, 8, 9]
+
+    async def go():
+        long = asyncio.ensure_future(client.agenerate(GenerationRequest(
+            input_ids=prompt, sampling=SamplingParams(max_new_tokens=30), rid="long")))
+        other = asyncio.ensure_future(client.agenerate(GenerationRequest(
+            input_ids=prompt, sampling=SamplingParams(max_new_tokens=5), rid="other")))
+        await asyncio.sleep(0.2)  # ~10 tokens into "long"; "other" has finished
+        await client.update_weights_from_disk(str(tmp_path), 1)
+        return await long, await other
+
+    r, other = asyncio.run(go())
+    asyncio.run(client.close())
+    pieces = [(srv, body) for srv, path, body in fakes.calls if path == "/v1/completions"
+              and body["max_tokens"] != 5]
+    assert len(pieces) == 2 and pieces[0][0] == pieces[1][0]  # resubmitted to its own server
+    n_old = len(pieces[1][1]["prompt"]) - len(prompt)
+    assert 0 < n_old < 30
+    # the second piece continues the first: prompt + tokens so far, for the rest of the budget
+    assert pieces[1][1]["prompt"] == prompt + r.output_ids[:n_old]
+    assert pieces[1][1]["max_tokens"] == 30 - n_old
+    assert r.output_ids == list(range(3, 33))  # stitched without a gap or a repeat
+    assert r.output_versions == [0] * n_old + [1] * (30 - n_old)
+    assert r.output_logprobs == [-1.0] * n_old + [-2.0] * (30 - n_old)
+    assert r.stop_reason.value == "length"
+    assert other.output_versions == [0] * 5
+    # both servers were paused (aborting), reloaded, versioned and resumed, in that order
+    for i in (0, 1):
+        steps = [p for srv, p, _ in fakes.calls if srv == i and p != "/v1/completions"]
+        assert steps == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
+    assert fakes.versions == [1, 1]
