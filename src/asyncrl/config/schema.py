@@ -322,6 +322,10 @@ class ExperimentConfig:
                    f"rollout.{key}={have} contradicts allocation_mode={self.allocation_mode!r} "
                    f"(which means {want}); drop rollout.{key} or make them agree")
         self.rollout.backend, self.rollout.n_servers = alloc.backend, alloc.n_servers
+        gpus = self.cluster.n_gpus_per_node
+        _check(gpus == 0 or alloc.n_servers + alloc.trainer_world_size <= gpus,
+               f"allocation_mode={self.allocation_mode!r} needs {alloc.n_servers} inference + "
+               f"{alloc.trainer_world_size} trainer GPUs but cluster.n_gpus_per_node={gpus}")
 
     @property
     def trainer_world_size(self) -> int:

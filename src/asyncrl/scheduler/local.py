@@ -113,10 +113,12 @@ class LocalScheduler:
 
     def launch_inference_servers(self, model_path: str, engine_cfg: LocalEngineConfig, *,
                                  n_servers: int, seed: int, backend: str = "local",
-                                 device: str = "cpu", extra_args: Sequence[str] = ()) -> list[str]:
+                                 device: str = "cpu", first_gpu: int = 0,
+                                 extra_args: Sequence[str] = ()) -> list[str]:
         """Start `n_servers` `backend` servers, wait until all are healthy, return their addresses.
 
-        `device` "cpu" pins each server to its cores; "cuda" gives server i GPU i.
+        `device` "cpu" pins each server to its cores; "cuda" gives server i GPU first_gpu + i
+        (the trainer's ranks use GPUs 0 .. first_gpu - 1); "cuda:<ids>" gives all of them <ids>.
         """
         cores = sorted(os.sched_getaffinity(0))
         server_cores, self.trainer_cores = split_cores(
@@ -125,8 +127,9 @@ class LocalScheduler:
             self.trainer_cores = []  # the trainer computes on its GPUs: leave its cores alone
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for i, my_cores in enumerate(server_cores):
+            my_device = f"cuda:{first_gpu + i}" if device == "cuda" else device
             argv, env = self._command(i, backend, model_path, engine_cfg, my_cores, seed,
-                                      device, extra_args)
+                                      my_device, extra_args)
             self.servers.append(self._spawn(i, argv, env, my_cores if device == "cpu" else []))
         for server in self.servers:
             self._wait_healthy(server)
@@ -159,8 +162,6 @@ class LocalScheduler:
             extra = ["--context-length", str(engine_cfg.max_seq_len),
                      "--max-running-requests", str(engine_cfg.max_batch_size),
                      "--random-seed", str(seed + index)]
-        if device == "cuda":
-            device = f"cuda:{index}"  # one GPU per server (data parallel)
         argv, env = server_command(backend, model_path, "127.0.0.1", port,
                                    dtype=engine_cfg.dtype, device=device,
                                    extra=[*extra, *extra_args])

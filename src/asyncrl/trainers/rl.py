@@ -43,7 +43,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         addresses = scheduler.launch_inference_servers(
             model_path, cfg.local_engine, n_servers=cfg.rollout.n_servers, seed=cfg.seed,
             backend=cfg.rollout.backend, device="cuda" if cfg.cluster.n_gpus_per_node else "cpu",
-            extra_args=cfg.rollout.server_args)
+            first_gpu=cfg.trainer_world_size, extra_args=cfg.rollout.server_args)
         scheduler.pin_trainer()
         trainer = RLTrainer(cfg, paths, addresses)
         try:
