@@ -17,6 +17,7 @@ class FakeVLLMServers:
         self.token_s = token_s
         self.calls: list[tuple[int, str, dict]] = []  # (server, path, body)
         self.versions = [0] * n
+        self.healthy = [True] * n  # False: /health answers 503
         self.addresses: list[str] = []
         self._paused: list[asyncio.Event] = []  # set while running
         self._abort: list[asyncio.Event] = []
@@ -61,6 +62,8 @@ class FakeVLLMServers:
                 self.versions[i] = int(body["new_version"])
             elif path == "/weight_info":
                 return web.json_response({"weight_version": str(self.versions[i])})
+            elif path == "/health" and not self.healthy[i]:
+                return web.json_response({"error": "engine dead"}, status=503)
             return web.json_response({})
         return handle
 

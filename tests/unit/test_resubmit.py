@@ -44,3 +44,31 @@ def test_interrupted_request_resumes_on_its_server_with_tokens_of_both_versions(
         steps = [p for srv, p, _ in fakes.calls if srv == i and p != "/v1/completions"]
         assert steps == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
     assert fakes.versions == [1, 1]
+
+
+def test_server_failing_health_leaves_routing_and_returns_resynced(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    fakes = FakeVLLMServers(2, token_s=0.001)
+    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+
+    async def go():
+        fakes.healthy[1] = False
+        assert await client.check_servers() == [fakes.addresses[0]]
+        await client.update_weights_from_disk(str(tmp_path), 4)  # server 0 only
+        while_down = [await client.agenerate(GenerationRequest(
+            input_ids=[1], sampling=SamplingParams(max_new_tokens=2))) for _ in range(3)]
+        fakes.versions[1] = 0  # it comes back restarted, with the base weights
+        fakes.healthy[1] = True
+        live = await client.check_servers()
+        return while_down, live
+
+    while_down, live = asyncio.run(go())
+    asyncio.run(client.close())
+    assert live == fakes.addresses and fakes.versions == [4, 4]
+    assert all(r.output_versions == [4, 4] for r in while_down)
+    served = [srv for srv, path, _ in fakes.calls if path == "/v1/completions"]
+    assert served == [0, 0, 0]  # nothing went to the failed server
+    resync = [p for srv, p, _ in fakes.calls if srv == 1 and p not in ("/health",)]
+    assert resync == ["/weight_info", "/pause", "/collective_rpc", "/update_weight_version",
+                      "/resume"]  # read its version, then loaded the current one

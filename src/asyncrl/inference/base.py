@@ -46,6 +46,14 @@ class ServerUnreachableError(InferenceServerError):
     """Nobody answered at a server's address (refused, reset or disconnected)."""
 
 
+class ServerStatusError(InferenceServerError):
+    """A server answered with an HTTP error status."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 class WeightUpdateError(InferenceServerError):
     """A weight update failed on a server; the message names the server, step and cause."""
 
@@ -257,11 +265,12 @@ class HTTPInferenceEngine:
     async def _check_one(self, idx: int) -> None:
         address = self.addresses[idx]
         if idx not in self._down:
-            # Only silence counts as death: a busy server may answer its health check late.
+            # Silence or a failed health check count; a late answer does not (a busy server
+            # may answer its health check slowly).
             try:
                 await self._request(address, self.health_path, None, timeout=_PROBE_TIMEOUT_S,
                                     method="GET", retries=0)
-            except ServerUnreachableError as e:
+            except (ServerUnreachableError, ServerStatusError) as e:
                 self._mark_down(idx, str(e))
             except InferenceServerError:
                 pass
@@ -353,8 +362,8 @@ class HTTPInferenceEngine:
                                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     text = await r.text()
                     if r.status != 200:
-                        raise InferenceServerError(
-                            f"{url} answered {r.status}: {error_message(text)}")
+                        raise ServerStatusError(
+                            f"{url} answered {r.status}: {error_message(text)}", r.status)
                     return json.loads(text) if text.strip() else {}
             except aiohttp.ClientConnectorError as e:
                 if attempt == retries:
