@@ -42,6 +42,8 @@ def server_command(backend: str, model_path: str, host: str, port: int, *,
                 "--worker-extension-cls", "asyncrl.inference.vllm_worker.WeightSyncExtension"]
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables /collective_rpc (reload_weights)
         env.setdefault("VLLM_HOST_IP", host)  # its engine processes talk over this address
+        env["VLLM_NO_USAGE_STATS"] = "1"  # vLLM otherwise posts usage data to its stats server
+        env["DO_NOT_TRACK"] = "1"
         if device == "cpu":
             # Eager mode starts fast; the KV cache is given in GB on CPU (default: 4).
             argv += ["--enforce-eager", "--gpu-memory-utilization", "0.3"]
