@@ -5,6 +5,11 @@ and returns the tokens sampled so far. The client then resubmits prompt + tokens
 the remaining budget to the same server (rid affinity), once the update is done, and
 stitches the pieces. Each piece was sampled under one weight version: a pause aborts all
 that is in flight, and a piece is only sent while no update runs on its server.
+
+One race is left: a piece sent just before an update starts may reach the server after
+its pause, wait there, and run whole under the new weights while tagged with the old
+version. Its log-probs are still right (they come from the server); only the staleness
+count of those tokens is one version high.
 """
 
 from __future__ import annotations
