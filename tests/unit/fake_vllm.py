@@ -20,7 +20,7 @@ class FakeVLLMServers:
         self.healthy = [True] * n  # False: /health answers 503
         self.addresses: list[str] = []
         self._paused: list[asyncio.Event] = []  # set while running
-        self._abort: list[asyncio.Event] = []
+        self._aborts: list[int] = []  # abort-pauses so far, per server
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         threading.Thread(target=self._run, args=(n, ready), daemon=True).start()
@@ -31,7 +31,7 @@ class FakeVLLMServers:
         for i in range(n):
             self._paused.append(asyncio.Event())
             self._paused[i].set()
-            self._abort.append(asyncio.Event())
+            self._aborts.append(0)
             app = web.Application()
             app.add_routes([web.post(p, self._handler(i, p)) for p in (
                 "/v1/completions", "/pause", "/resume", "/collective_rpc",
@@ -53,9 +53,8 @@ class FakeVLLMServers:
             if path == "/pause":
                 self._paused[i].clear()
                 if request.query.get("mode", "abort") == "abort":
-                    self._abort[i].set()
-                    await asyncio.sleep(0.01)  # let the aborted requests answer first
-                    self._abort[i].clear()
+                    self._aborts[i] += 1  # every request running now ends at its next token
+                    await asyncio.sleep(2 * self.token_s)  # and answers before the pause does
             elif path == "/resume":
                 self._paused[i].set()
             elif path == "/update_weight_version":
@@ -69,14 +68,12 @@ class FakeVLLMServers:
 
     async def _complete(self, i: int, body: dict) -> dict:
         await self._paused[i].wait()
+        started = self._aborts[i]
         ids: list[int] = []
         finish = "length"
         for k in range(body["max_tokens"]):
-            if self._abort[i].is_set():
-                finish = "abort"
-                break
             await asyncio.sleep(self.token_s)
-            if self._abort[i].is_set():
+            if self._aborts[i] != started:
                 finish = "abort"
                 break
             ids.append(len(body["prompt"]) + k)

@@ -11,23 +11,23 @@ from asyncrl.inference.vllm import VLLMInferenceEngine
 def test_interrupted_request_resumes_on_its_server_with_tokens_of_both_versions(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
-    fakes = FakeVLLMServers(2, token_s=0.02)
+    fakes = FakeVLLMServers(2, token_s=0.05)
     client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
     prompt = [7, 8, 9]
 
     async def go():
         long = asyncio.ensure_future(client.agenerate(GenerationRequest(
             input_ids=prompt, sampling=SamplingParams(max_new_tokens=30), rid="long")))
-        other = asyncio.ensure_future(client.agenerate(GenerationRequest(
-            input_ids=prompt, sampling=SamplingParams(max_new_tokens=5), rid="other")))
-        await asyncio.sleep(0.2)  # ~10 tokens into "long"; "other" has finished
+        other = await client.agenerate(GenerationRequest(  # busies the other server
+            input_ids=[5], sampling=SamplingParams(max_new_tokens=5), rid="other"))
+        await asyncio.sleep(0.1)  # "long" is well into its 1.5 s of tokens
         await client.update_weights_from_disk(str(tmp_path), 1)
-        return await long, await other
+        return await long, other
 
     r, other = asyncio.run(go())
     asyncio.run(client.close())
     pieces = [(srv, body) for srv, path, body in fakes.calls if path == "/v1/completions"
-              and body["max_tokens"] != 5]
+              and body["prompt"][:3] == prompt]
     assert len(pieces) == 2 and pieces[0][0] == pieces[1][0]  # resubmitted to its own server
     n_old = len(pieces[1][1]["prompt"]) - len(prompt)
     assert 0 < n_old < 30
