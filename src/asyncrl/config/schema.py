@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from asyncrl.config.allocation import parse_allocation_mode
+
 NormLevel = Literal["batch", "group", "none"]
 
 
@@ -89,11 +91,18 @@ class RolloutConfig:
     consumer_batch_size: int = 8
     # Episodes in flight at most. None: consumer_batch_size * (max_head_offpolicyness + 1).
     max_concurrent_rollouts: Optional[int] = None
-    backend: Literal["local"] = "local"
-    n_servers: int = 1
+    # The inference servers: "local" (ours), "vllm" or "sglang" (pip install asyncrl[vllm]
+    # / sglang). null: from allocation_mode, else "local". Set both only if they agree.
+    backend: Optional[Literal["local", "vllm", "sglang"]] = None
+    n_servers: Optional[int] = None  # null: from allocation_mode, else 1
     request_timeout: float = 3600.0  # seconds for one generation request
     request_retries: int = 3  # retries when a server cannot be reached
     update_weights_timeout: float = 300.0  # seconds for pause + reload + resume per server
+    # Seconds between checks that bring a server that failed back (re-synced to the current
+    # weights) into routing; null: only when no server is left.
+    health_check_interval: Optional[float] = 10.0
+    # Appended to every server's command line (e.g. vLLM's ["--max-num-batched-tokens", "4096"]).
+    server_args: list[str] = field(default_factory=list)
     # Failed episodes (reward raised or timed out, malformed item) are logged and counted;
     # the run stops once more than this many have failed. -1: never stop for failures.
     max_failed_episodes: int = 16
@@ -105,7 +114,10 @@ class RolloutConfig:
                f"rollout.consumer_batch_size must be >= 1, got {self.consumer_batch_size}")
         _check(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
                f"rollout.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts}")
-        _check(self.n_servers >= 1, f"rollout.n_servers must be >= 1, got {self.n_servers}")
+        _check(self.n_servers is None or self.n_servers >= 1,
+               f"rollout.n_servers must be >= 1 or null, got {self.n_servers}")
+        _check(self.health_check_interval is None or self.health_check_interval > 0,
+               f"rollout.health_check_interval must be > 0 or null, got {self.health_check_interval}")
 
     @property
     def concurrency(self) -> int:
@@ -260,6 +272,9 @@ class ExperimentConfig:
     total_train_epochs: int = 1
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
     tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
+    # AReaL's "<backend>:d<N>+fsdp:d<M>", e.g. "vllm:d2+fsdp:d1": sets rollout.backend and
+    # rollout.n_servers (which may then only repeat it) and the trainer world size M.
+    allocation_mode: Optional[str] = None
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -281,6 +296,7 @@ class ExperimentConfig:
         _check(self.cluster.n_nodes == 1,
                f"cluster.n_nodes={self.cluster.n_nodes} but scheduler.type=local runs on one "
                "machine; set cluster.n_nodes=1")
+        self._resolve_allocation()
         _check(bool(self.train_dataset.path), "train_dataset.path is empty: give a JSONL file or "
                "folder, an HF dataset id, or reasoning_gym:<task>")
         for name, norm in (("reward_norm", self.actor.reward_norm), ("adv_norm", self.actor.adv_norm)):
@@ -292,3 +308,28 @@ class ExperimentConfig:
                 _check(norm.group_size == self.gconfig.n_samples,
                        f"actor.{name}.group_size={norm.group_size} but gconfig.n_samples="
                        f"{self.gconfig.n_samples}; set actor.{name}.group_size=${{gconfig.n_samples}}")
+
+    def _resolve_allocation(self) -> None:
+        """allocation_mode, when given, decides rollout.backend and n_servers; they must agree."""
+        if self.allocation_mode is None:
+            self.rollout.backend = self.rollout.backend or "local"
+            self.rollout.n_servers = self.rollout.n_servers or 1
+            return
+        alloc = parse_allocation_mode(self.allocation_mode)
+        for key, have, want in (("backend", self.rollout.backend, alloc.backend),
+                                ("n_servers", self.rollout.n_servers, alloc.n_servers)):
+            _check(have is None or have == want,
+                   f"rollout.{key}={have} contradicts allocation_mode={self.allocation_mode!r} "
+                   f"(which means {want}); drop rollout.{key} or make them agree")
+        self.rollout.backend, self.rollout.n_servers = alloc.backend, alloc.n_servers
+        gpus = self.cluster.n_gpus_per_node
+        _check(gpus == 0 or alloc.n_servers + alloc.trainer_world_size <= gpus,
+               f"allocation_mode={self.allocation_mode!r} needs {alloc.n_servers} inference + "
+               f"{alloc.trainer_world_size} trainer GPUs but cluster.n_gpus_per_node={gpus}")
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks: allocation_mode's fsdp:d<M>, else 1."""
+        if self.allocation_mode is None:
+            return 1
+        return parse_allocation_mode(self.allocation_mode).trainer_world_size

@@ -9,6 +9,7 @@ publishes the new weights to the servers (which switch mid-generation) and logs.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn
 from asyncrl.api import Batch, TensorBatch
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
-from asyncrl.inference import RemoteInferenceEngine
+from asyncrl.inference.backends import client_class
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
 from asyncrl.rollout import RolloutController, RolloutError, evaluate
@@ -37,9 +38,12 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     setup_logging(paths.root)
     (paths.root / "config.yaml").write_text(to_yaml(cfg))
     with LocalScheduler(cfg.scheduler, paths.logs) as scheduler:
+        _check_world_size(cfg)
         model_path = resolve_model_path(cfg.actor.path)
         addresses = scheduler.launch_inference_servers(
-            model_path, cfg.local_engine, n_servers=cfg.rollout.n_servers, seed=cfg.seed)
+            model_path, cfg.local_engine, n_servers=cfg.rollout.n_servers, seed=cfg.seed,
+            backend=cfg.rollout.backend, device="cuda" if cfg.cluster.n_gpus_per_node else "cpu",
+            first_gpu=cfg.trainer_world_size, extra_args=cfg.rollout.server_args)
         scheduler.pin_trainer()
         trainer = RLTrainer(cfg, paths, addresses)
         try:
@@ -51,16 +55,27 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
             trainer.close()
 
 
+def _check_world_size(cfg: ExperimentConfig) -> None:
+    """allocation_mode's fsdp:d<M> must be the world this process was launched in."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.trainer_world_size:
+        raise ValueError(f"allocation_mode={cfg.allocation_mode!r} asks for "
+                         f"{cfg.trainer_world_size} trainer ranks but this process runs in a "
+                         f"world of {world}; launch with torchrun --nproc-per-node "
+                         f"{cfg.trainer_world_size} or change allocation_mode")
+
+
 class RLTrainer:
     def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str]) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
-        self.engine = RemoteInferenceEngine(
+        self.engine = client_class(cfg.rollout.backend)(
             addresses, request_timeout=cfg.rollout.request_timeout,
             request_retries=cfg.rollout.request_retries,
-            update_weights_timeout=cfg.rollout.update_weights_timeout)
+            update_weights_timeout=cfg.rollout.update_weights_timeout,
+            health_check_interval=cfg.rollout.health_check_interval)
         self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
         train_items = filter_by_length(load_dataset(cfg.train_dataset), self.workflow.prompt_ids,
                                        cfg.train_dataset.max_length)

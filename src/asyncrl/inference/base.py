@@ -1,0 +1,412 @@
+"""What every backend's HTTP client shares: the loop thread, HTTP, routing and weight sync.
+
+All HTTP runs on one private event loop in a daemon thread, with one aiohttp session.
+Public coroutines hand their work to that loop and await the result, so a client works
+from any event loop in any thread (the rollout thread's loop, the trainer's
+`asyncio.run(...)`), and no session is ever bound to a loop that has since closed.
+
+Routing: a request goes to the least-busy live server, and a request id keeps its server
+(so a resubmitted or multi-turn request finds its prefix in that server's cache).
+
+Re-sync: the client remembers the last (path, version) it loaded. A server that cannot be
+reached is taken out of routing; `check_servers` (on demand, or every
+`health_check_interval` seconds) puts it back only once it answers its health check and
+holds that version, loading it first if the server came back with other weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import aiohttp
+
+from asyncrl.api.errors import InferenceError
+from asyncrl.api.types import GenerationRequest, GenerationResponse
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_RETRY_BACKOFF_S = 0.25  # doubled after each failed connection attempt
+_MAX_PINNED_RIDS = 100_000  # rid -> server memory, oldest forgotten first
+_PROBE_TIMEOUT_S = 5.0
+
+
+class InferenceServerError(InferenceError):
+    """A server could not be reached, timed out, or answered with an error."""
+
+
+class ServerUnreachableError(InferenceServerError):
+    """Nobody answered at a server's address (refused, reset or disconnected)."""
+
+
+class ServerStatusError(InferenceServerError):
+    """A server answered with an HTTP error status."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class WeightUpdateError(InferenceServerError):
+    """A weight update failed on a server; the message names the server, step and cause."""
+
+
+def normalise_address(address: str) -> str:
+    """`host:port` or a URL, as a URL without a trailing slash."""
+    address = address.rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+class HTTPInferenceEngine:
+    """Base of the backend clients; subclasses say how to generate and load weights."""
+
+    backend = "base"
+    health_path = "/health"
+
+    def __init__(self, addresses: list[str], *, request_timeout: float = 3600.0,
+                 request_retries: int = 3, update_weights_timeout: float = 300.0,
+                 api_key: str | None = None, health_check_interval: float | None = None):
+        if not addresses:
+            raise ValueError(f"{type(self).__name__} needs at least one server address")
+        self.addresses = [normalise_address(a) for a in addresses]
+        self.request_timeout = request_timeout
+        self.request_retries = request_retries
+        self.update_weights_timeout = update_weights_timeout
+        self.health_check_interval = health_check_interval
+        api_key = api_key if api_key is not None else os.environ.get("ASYNCRL_API_KEY")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        n = len(self.addresses)
+        self._lock = threading.Lock()
+        self._outstanding = [0] * n
+        self._next = 0  # round-robin tie-break among equally busy servers
+        self._pinned: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._down: dict[int, str] = {}  # server index -> why it left routing
+        self._versions = [0] * n  # the weight version each server holds (0: the base model)
+        self._synced: tuple[str, int] | None = None  # the last (path, version) loaded
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._update_lock: asyncio.Lock | None = None  # made on the client loop
+        self._health_task: asyncio.Task | None = None
+
+    # ---- what a backend provides ----------------------------------------------------------
+
+    async def _generate_on(self, idx: int, req: GenerationRequest) -> GenerationResponse:
+        """Generate `req` on server `idx` (runs on the client loop)."""
+        raise NotImplementedError
+
+    async def _update_one(self, idx: int, path: str, version: int) -> None:
+        """Pause, load `path` as `version`, resume on server `idx`; WeightUpdateError if not."""
+        raise NotImplementedError
+
+    async def _read_version(self, address: str) -> int:
+        """The weight version a server reports holding."""
+        raise NotImplementedError
+
+    async def _pause_one(self, address: str) -> None:
+        raise NotImplementedError
+
+    async def _resume_one(self, address: str) -> None:
+        raise NotImplementedError
+
+    def _check_checkpoint(self, path: str, version: int) -> None:
+        """Reject a bad weights folder before any server is paused (default: the server does)."""
+
+    # ---- the InferenceEngine protocol ---------------------------------------------------
+
+    async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
+        """Generate on the least-busy live server (the one that served `req.rid` before, if any)."""
+        return await self._on_client_loop(self._route(req))
+
+    async def pause(self) -> None:
+        """Pause decoding on every live server."""
+        await self._on_live(self._pause_one)
+
+    async def resume(self) -> None:
+        """Resume decoding on every live server."""
+        await self._on_live(self._resume_one)
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        """On every live server at once: pause, load `path` as `version`, resume.
+
+        Each step is bounded by `update_weights_timeout`. On failure the server is resumed
+        (best effort) and WeightUpdateError names the server, the step and the cause; a
+        server that cannot be reached also leaves routing until `check_servers` re-syncs it.
+        """
+        self._check_checkpoint(path, version)
+        await self._on_client_loop(self._update_all(path, version))
+
+    async def close(self) -> None:
+        """Close the HTTP session and stop the client's loop thread."""
+        if self._loop is None:
+            return
+        await self._on_client_loop(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._loop = self._thread = self._session = None
+
+    # ---- health and re-sync ---------------------------------------------------------------
+
+    @property
+    def live_servers(self) -> list[str]:
+        """Addresses currently in routing."""
+        return [a for i, a in enumerate(self.addresses) if i not in self._down]
+
+    async def get_version(self) -> int:
+        """The lowest weight version across live servers (all equal outside an update)."""
+        return min(await self._on_live(self._read_version))
+
+    async def check_servers(self) -> list[str]:
+        """Probe every server: drop the dead, re-sync and restore the returned; live addresses."""
+        await self._on_client_loop(self._check_servers())
+        return self.live_servers
+
+    async def wait_healthy(self, timeout: float) -> None:
+        """Poll every server's health until all answer; InferenceServerError after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            results = await self._on_client_loop(self._gather(
+                [self._probe(a) for a in self.addresses]))
+            failed = {a: r for a, r in zip(self.addresses, results) if r is not True}
+            if not failed:
+                return
+            if time.monotonic() >= deadline:
+                detail = "; ".join(f"{a}: {r}" for a, r in failed.items())
+                raise InferenceServerError(
+                    f"inference servers not healthy after {timeout}s: {detail}")
+            await asyncio.sleep(0.5)
+
+    # ---- internals (client loop) ----------------------------------------------------------
+
+    async def _route(self, req: GenerationRequest) -> GenerationResponse:
+        self._start_health_task()
+        while True:
+            idx = self._acquire(req.rid)
+            if idx is None:
+                await self._check_servers()  # a server may be back: try once before failing
+                idx = self._acquire(req.rid)
+            if idx is None:
+                raise InferenceServerError(f"no live inference server: {self._down_detail()}")
+            try:
+                return await self._generate_on(idx, req)
+            except ServerUnreachableError as e:
+                self._mark_down(idx, str(e))
+                if not self.live_servers:
+                    raise
+                with self._lock:
+                    self._pinned.pop(req.rid, None)  # start again on another server
+            finally:
+                with self._lock:
+                    self._outstanding[idx] -= 1
+
+    def _acquire(self, rid: str) -> int | None:
+        """The server for `rid` (its pinned one if live, else the least busy); None if none live."""
+        with self._lock:
+            idx = self._pinned.get(rid)
+            if idx is None or idx in self._down:
+                n = len(self.addresses)
+                order = [(self._next + k) % n for k in range(n) if (self._next + k) % n not in self._down]
+                if not order:
+                    return None
+                idx = min(order, key=lambda i: self._outstanding[i])
+                self._next = (idx + 1) % n
+                self._pinned[rid] = idx
+                if len(self._pinned) > _MAX_PINNED_RIDS:
+                    self._pinned.popitem(last=False)
+            self._outstanding[idx] += 1
+            return idx
+
+    def _mark_down(self, idx: int, why: str) -> None:
+        if idx not in self._down:
+            logger.warning("inference server %s leaves routing: %s", self.addresses[idx], why)
+        self._down[idx] = why
+
+    def _down_detail(self) -> str:
+        return "; ".join(f"{self.addresses[i]}: {why}" for i, why in sorted(self._down.items()))
+
+    async def _update_all(self, path: str, version: int) -> None:
+        self._start_health_task()
+        async with self._get_update_lock():
+            live = [i for i in range(len(self.addresses)) if i not in self._down]
+            if not live:
+                raise WeightUpdateError(f"weight update to version {version}: no live inference "
+                                        f"server ({self._down_detail()})")
+            results = await self._gather([self._update_server(i, path, version) for i in live])
+            if any(r is None for r in results):
+                self._synced = (path, version)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise WeightUpdateError("; ".join(str(e) for e in errors))
+
+    async def _update_server(self, idx: int, path: str, version: int) -> None:
+        try:
+            await self._update_one(idx, path, version)
+        except WeightUpdateError as e:
+            if isinstance(e.__cause__, ServerUnreachableError):
+                self._mark_down(idx, str(e.__cause__))
+            raise
+        self._versions[idx] = version
+
+    async def _check_servers(self) -> None:
+        self._start_health_task()
+        async with self._get_update_lock():
+            await self._gather([self._check_one(i) for i in range(len(self.addresses))])
+
+    async def _check_one(self, idx: int) -> None:
+        address = self.addresses[idx]
+        if idx not in self._down:
+            # Silence or a failed health check count; a late answer does not (a busy server
+            # may answer its health check slowly).
+            try:
+                await self._request(address, self.health_path, None, timeout=_PROBE_TIMEOUT_S,
+                                    method="GET", retries=0)
+            except (ServerUnreachableError, ServerStatusError) as e:
+                self._mark_down(idx, str(e))
+            except InferenceServerError:
+                pass
+            return
+        healthy = await self._probe(address)
+        if healthy is not True:
+            self._down[idx] = str(healthy)
+            return
+        try:
+            held = await self._read_version(address)
+            if self._synced is not None and held != self._synced[1]:
+                logger.info("re-syncing %s from version %d to %d", address, held, self._synced[1])
+                await self._update_one(idx, *self._synced)
+                held = self._synced[1]
+        except InferenceServerError as e:
+            self._down[idx] = f"back, but re-sync failed: {e}"
+            return
+        self._versions[idx] = held
+        del self._down[idx]
+        logger.info("inference server %s is back in routing at version %d", address, held)
+
+    async def _probe(self, address: str) -> bool | str:
+        """True if the server answers its health check, else why not."""
+        try:
+            body = await self._request(address, self.health_path, None, timeout=_PROBE_TIMEOUT_S,
+                                       method="GET", retries=0)
+        except InferenceServerError as e:
+            return str(e)
+        status = body.get("status", "ok") if isinstance(body, dict) else "ok"
+        return True if status == "ok" else f"health status {status!r}"
+
+    def _start_health_task(self) -> None:
+        if self.health_check_interval and self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_interval)
+            try:
+                await self._check_servers()
+            except Exception:  # a failed check must not end the periodic checks
+                logger.exception("periodic inference-server check failed")
+
+    def _get_update_lock(self) -> asyncio.Lock:
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        return self._update_lock
+
+    async def _shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+
+    async def _on_client_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the client's loop and await it from the caller's loop."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever,
+                                                name="asyncrl-inference-client", daemon=True)
+                self._thread.start()
+            loop = self._loop
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    async def _on_live(self, fn) -> list[Any]:
+        """`fn(address)` on every live server at once; the first error is raised."""
+        results = await self._on_client_loop(self._gather([fn(a) for a in self.live_servers]))
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    @staticmethod
+    async def _gather(coros: list[Coroutine]) -> list[Any]:
+        return await asyncio.gather(*coros, return_exceptions=True)
+
+    async def _request(self, address: str, path: str, payload: Any, *, timeout: float,
+                       method: str = "POST", retries: int | None = None) -> Any:
+        """One HTTP call on the client loop; retried (with backoff) only if nobody answers."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers)
+        retries = self.request_retries if retries is None else retries
+        url = address + path
+        for attempt in range(retries + 1):
+            try:
+                async with self._session.request(method, url, json=payload,
+                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    text = await r.text()
+                    if r.status != 200:
+                        raise ServerStatusError(
+                            f"{url} answered {r.status}: {error_message(text)}", r.status)
+                    return json.loads(text) if text.strip() else {}
+            except aiohttp.ClientConnectorError as e:
+                if attempt == retries:
+                    raise ServerUnreachableError(f"inference server {address} cannot be reached "
+                                                 f"({retries + 1} attempts): {e}") from e
+                await asyncio.sleep(_RETRY_BACKOFF_S * 2 ** attempt)
+            except asyncio.TimeoutError as e:
+                raise InferenceServerError(f"{url} did not answer within {timeout}s") from e
+            except aiohttp.ServerDisconnectedError as e:
+                raise ServerUnreachableError(f"{url}: the server disconnected ({e})") from e
+            except aiohttp.ClientError as e:
+                raise InferenceServerError(f"{url} failed: {type(e).__name__}: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def _update_steps(self, idx: int, version: int,
+                            steps: list[tuple[str, Callable[[], Awaitable[Any]]]]) -> None:
+        """Run named steps in order (the last resumes); on failure resume and raise WeightUpdateError."""
+        address = self.addresses[idx]
+        name = steps[0][0]
+        try:
+            for step in steps:
+                name = step[0]  # the step that failed, if one does
+                await step[1]()
+        except InferenceServerError as e:
+            if name != steps[-1][0]:
+                try:  # leave the server generating (under its old weights) if we can
+                    await steps[-1][1]()
+                except InferenceServerError:
+                    pass
+            raise WeightUpdateError(f"weight update to version {version} failed on {address} "
+                                    f"at step {name!r}: {e}") from e
+
+
+def error_message(text: str) -> str:
+    """The error text of a JSON error body (ours, vLLM's or SGLang's), else the raw text."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body.get("detail")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            return str(err)[:500]
+    return text[:500]
