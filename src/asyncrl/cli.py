@@ -45,21 +45,52 @@ def print_summary(summary: dict) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """One inference server with OpenAI /v1 routes, until Ctrl-C or SIGTERM."""
+    if args.backend == "local":
+        from asyncrl.inference.server import main as server_main
+
+        argv = ["--model", args.model, "--host", args.host, "--port", str(args.port),
+                "--dtype", args.dtype, "--device", args.device]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        return server_main(argv) or 0
     return _serve_backend(args)
 
 
 def _serve_backend(args: argparse.Namespace) -> int:
-    """Start the inference server of `args.backend` (with its OpenAI routes) until signalled."""
-    if args.backend != "local":
-        raise SystemExit(f"asyncrl serve: --backend {args.backend} is not wired yet; "
-                         "use --backend local")
-    from asyncrl.inference.server import main as server_main
+    """A vLLM or SGLang server on a private loopback port, behind our OpenAI gateway.
 
-    argv = ["--model", args.model, "--host", args.host, "--port", str(args.port)]
-    if args.threads:
-        argv += ["--threads", str(args.threads)]
-    argv += ["--dtype", args.dtype]
-    return server_main(argv) or 0
+    The gateway gives every backend the same /v1 routes and extension fields (token ids,
+    log-probs, weight versions); the backend's own port stays on 127.0.0.1.
+    """
+    import asyncio
+    import os
+    import tempfile
+
+    from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
+    from asyncrl.inference import gateway
+    from asyncrl.models.hub import resolve_model_path
+    from asyncrl.scheduler.local import LocalScheduler
+
+    path = resolve_model_path(args.model)
+    cores = len(os.sched_getaffinity(0))
+    sched_cfg = SchedulerConfig(inference_threads=args.threads or cores, trainer_threads=0,
+                                startup_timeout=args.startup_timeout)
+    engine_cfg = LocalEngineConfig(dtype=args.dtype, max_seq_len=args.max_seq_len)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory(prefix="asyncrl-serve-") as logs, \
+            LocalScheduler(sched_cfg, logs) as scheduler:
+        [url] = scheduler.launch_inference_servers(path, engine_cfg, n_servers=1, seed=0,
+                                                   backend=args.backend, device=device)
+        print(f"asyncrl: {args.backend} server ready at {url} (private)", flush=True)
+        asyncio.run(gateway.serve(args.backend, url, tokenizer=path, model_name=args.model,
+                                  host=args.host, port=args.port,
+                                  max_model_len=args.max_seq_len))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when a GPU is visible")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="prompt + completion tokens")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds to wait for a vllm/sglang server to become healthy")
     p.set_defaults(func=_serve)
     return parser
 

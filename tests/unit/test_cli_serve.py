@@ -5,15 +5,32 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.cli import build_parser
+from asyncrl.inference import gateway
+from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.sglang import SGLangInferenceEngine
+from asyncrl.inference.vllm import VLLMInferenceEngine
 
 
-def test_serve_defaults_to_the_local_backend():
+def test_serve_defaults_to_the_local_backend_on_loopback():
     args = build_parser().parse_args(["serve", "--model", "m"])
-    assert args.backend == "local" and args.host == "127.0.0.1"
+    assert args.backend == "local" and args.host == "127.0.0.1" and args.device == "auto"
 
 
-@pytest.mark.parametrize("backend", ["vllm", "sglang"])
-def test_serve_with_an_unwired_backend_says_so(backend):
-    args = build_parser().parse_args(["serve", "--model", "m", "--backend", backend])
-    with pytest.raises(SystemExit, match=f"--backend {backend} is not wired yet"):
-        args.func(args)
+@pytest.mark.parametrize("backend,cls", [("local", RemoteInferenceEngine),
+                                         ("vllm", VLLMInferenceEngine),
+                                         ("sglang", SGLangInferenceEngine)])
+def test_gateway_builds_the_client_of_each_backend(backend, cls):
+    engine = gateway.make_engine(backend, "127.0.0.1:1", api_key=None)
+    assert type(engine) is cls and engine.addresses == ["http://127.0.0.1:1"]
+
+
+def test_gateway_needs_a_tokenizer_for_backends_that_do_not_report_their_model(monkeypatch):
+    import asyncio
+
+    async def healthy(self, timeout):
+        return None
+
+    monkeypatch.setattr(VLLMInferenceEngine, "wait_healthy", healthy)
+    with pytest.raises(SystemExit, match="--tokenizer is needed with --backend vllm"):
+        asyncio.run(gateway.serve("vllm", "127.0.0.1:1", tokenizer=None, model_name=None,
+                                  host="127.0.0.1", port=0))

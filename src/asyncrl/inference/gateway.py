@@ -24,21 +24,18 @@ from aiohttp import web
 
 from asyncrl.inference.openai_api import openai_app
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "vllm", "sglang")
 
 
 def make_engine(backend: str, url: str, api_key: str | None) -> Any:
-    """The `InferenceEngine` client of `backend` at `url` (add vLLM/SGLang clients here)."""
-    if backend == "local":
-        from asyncrl.inference.client import RemoteInferenceEngine
+    """The `InferenceEngine` client of `backend` at `url`."""
+    from asyncrl.inference.backends import client_class
 
-        return RemoteInferenceEngine([url], api_key=api_key)
-    raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)}")
+    return client_class(backend)([url], api_key=api_key)
 
 
 async def backend_model(engine: Any) -> str:
-    """The model the backend reports in /health (what to load the tokenizer from)."""
-    await engine.wait_healthy(timeout=60.0)
+    """The model our local server reports in /health (what to load the tokenizer from)."""
     return (await engine.health())[0]["model"]
 
 
@@ -76,14 +73,20 @@ async def run_gateway(engine: Any, tokenizer: Any, *, model_name: str, host: str
         await engine.close()
 
 
-async def _main(args: argparse.Namespace) -> None:
+async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: str | None,
+                host: str, port: int, max_model_len: int | None = None,
+                startup_timeout: float = 60.0) -> None:
+    """Wait for the backend at `url`, then serve the /v1 routes in front of it until signalled."""
     api_key = os.environ.get("ASYNCRL_API_KEY") or None
-    engine = make_engine(args.backend, args.backend_url, api_key)
-    tokenizer_name = args.tokenizer or await backend_model(engine)
-    tokenizer = load_tokenizer(tokenizer_name)
-    await run_gateway(engine, tokenizer, model_name=args.model_name or tokenizer_name,
-                      host=args.host, port=args.port, api_key=api_key,
-                      max_model_len=args.max_model_len)
+    engine = make_engine(backend, url, api_key)
+    await engine.wait_healthy(timeout=startup_timeout)
+    if tokenizer is None:
+        if backend != "local":
+            raise SystemExit(f"--tokenizer is needed with --backend {backend} (only our local "
+                             "server reports its model)")
+        tokenizer = await backend_model(engine)
+    await run_gateway(engine, load_tokenizer(tokenizer), model_name=model_name or tokenizer,
+                      host=host, port=port, api_key=api_key, max_model_len=max_model_len)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -105,7 +108,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI entry point; the API key comes from $ASYNCRL_API_KEY."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_main(parse_args(argv)))
+    args = parse_args(argv)
+    asyncio.run(serve(args.backend, args.backend_url, tokenizer=args.tokenizer,
+                      model_name=args.model_name, host=args.host, port=args.port,
+                      max_model_len=args.max_model_len))
 
 
 if __name__ == "__main__":
