@@ -19,7 +19,6 @@ import asyncio
 import os
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from collections.abc import Callable
 import aiohttp
 import torch
 
+from asyncrl.inference.launch import server_command
 from asyncrl.models.hub import resolve_model_path
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -46,7 +46,7 @@ class Server:
     def __init__(self, argv: list[str], env: dict[str, str], port: int, log: str):
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log,
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
 
     async def wait_ready(self, timeout: float) -> None:
@@ -84,27 +84,25 @@ def free_port() -> int:
 
 
 def ours_server(path: str, port: int, args, log: str) -> tuple[Server, Callable]:
-    argv = [sys.executable, "-m", "asyncrl.inference.server", "--model", path, "--port",
-            str(port), "--threads", str(args.threads), "--dtype", "bfloat16",
-            "--max-batch-size", str(max(max(args.batch_sizes), args.arrivals)),
-            "--max-seq-len", "512"]
+    slots = max(max(args.batch_sizes), args.arrivals)
+    argv, env = server_command("local", path, "127.0.0.1", port, extra=[
+        "--threads", str(args.threads), "--max-batch-size", str(slots), "--max-seq-len", "512"])
 
     def body(ids: list[int]) -> tuple[str, dict]:
         return "/generate", {"input_ids": ids, "sampling": {
             "max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}}
-    return Server(argv, {"OMP_NUM_THREADS": str(args.threads)}, port, log), body
+    return Server(argv, {**env, "OMP_NUM_THREADS": str(args.threads)}, port, log), body
 
 
 def vllm_server(path: str, port: int, args, log: str, cache: str) -> tuple[Server, Callable]:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-            "--max-model-len", "512", "--max-num-seqs", str(max(max(args.batch_sizes),
-                                                                args.arrivals)),
-            "--gpu-memory-utilization", "0.3", "--disable-log-stats"]
-    if args.vllm_eager:
-        argv.append("--enforce-eager")
-    env = {"VLLM_CACHE_ROOT": cache, "VLLM_CPU_KVCACHE_SPACE": "2",
-           "OMP_NUM_THREADS": str(args.threads)}
+    slots = max(max(args.batch_sizes), args.arrivals)
+    # The scheduler's command (usage stats off, hub offline), plus the benchmark's limits.
+    argv, env = server_command("vllm", path, "127.0.0.1", port, extra=[
+        "--max-model-len", "512", "--max-num-seqs", str(slots), "--disable-log-stats"])
+    if args.vllm_compile:
+        argv.remove("--enforce-eager")
+    env |= {"VLLM_CACHE_ROOT": cache, "VLLM_CPU_KVCACHE_SPACE": "2",
+            "OMP_NUM_THREADS": str(args.threads)}
 
     def body(ids: list[int]) -> tuple[str, dict]:
         return "/v1/completions", {"model": path, "prompt": ids, "max_tokens": args.new_tokens,
@@ -199,7 +197,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
-    p.add_argument("--vllm-eager", action="store_true", help="pass --enforce-eager to vLLM")
+    p.add_argument("--vllm-compile", action="store_true",
+                   help="let vLLM compile its model (default: --enforce-eager, as training runs)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     args = p.parse_args()
     from transformers import AutoTokenizer

@@ -209,12 +209,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
     """Load `model` (a name or HF folder), start the engine and serve HTTP until signalled."""
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = LocalEngine(model, config, seed=seed, device=device)
-    engine.start()
+    # The model is loaded and run in the engine's thread; this one only serves HTTP.
+    engine = LocalEngine.spawn(model, config, seed=seed, device=device, threads=threads)
     asyncio.run(run_server(engine, host=host, port=port, model_name=model, api_key=api_key))
 
 
