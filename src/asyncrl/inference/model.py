@@ -153,21 +153,30 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(probs.transpose(-1, -2), v).view(b, h, 1, hd)
 
 
-def attention_kernel() -> Callable[..., None] | None:
-    """The C decode-attention kernel (kernels/decode_attention.c), or None where unavailable."""
-    import ctypes
+class DecodeKernels:
+    """ctypes bindings of kernels/decode.c: the non-matmul parts of a bf16 CPU decode step."""
 
-    from asyncrl.inference import kernels
+    def __init__(self, lib):
+        import ctypes
 
-    lib = kernels.load("decode_attention")
-    if lib is None:
-        return None
-    fn = lib.decode_attention_bf16
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p,
-                   i32]
-    fn.restype = None
-    return fn
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self.add_rms_norm = lib.add_rms_norm_bf16
+        self.add_rms_norm.argtypes = [p, p, p, p, i32, i32, f32, p]
+        self.silu_mul = lib.silu_mul_bf16
+        self.silu_mul.argtypes = [p, p, i32, i32]
+        self.rope_attention = lib.rope_attention_bf16
+        self.rope_attention.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, i32,
+                                        f32, f32, p, i32]
+        for fn in (self.add_rms_norm, self.silu_mul, self.rope_attention):
+            fn.restype = None
+
+    @classmethod
+    def load(cls) -> DecodeKernels | None:
+        """The compiled kernels, or None where they cannot be built (the torch path is used)."""
+        from asyncrl.inference import kernels
+
+        lib = kernels.load("decode")
+        return cls(lib) if lib is not None else None
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -346,9 +355,9 @@ class Transformer:
         sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)  # see apply_rope
         # Cast to the model dtype as HF does before rotating, so bf16 rotations agree.
         self.cos, self.sin = emb.cos().to(dtype).to(device), sin.to(dtype).to(device)
-        # One C call per layer writes the new keys/values and attends (CPU, bf16 only).
-        use_kernel = self.device.type == "cpu" and dtype == torch.bfloat16
-        self._attention_kernel = attention_kernel() if use_kernel else None
+        # bf16 on CPU: the steps between matmuls of a decode step run as C kernels.
+        use_kernels = self.device.type == "cpu" and dtype == torch.bfloat16
+        self.kernels = DecodeKernels.load() if use_kernels else None
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.bfloat16,
@@ -441,8 +450,8 @@ class Transformer:
 
         `kv_len` = max(positions) + 1 bounds the attended cache slice.
         """
-        if self._attention_kernel is not None:
-            return self._decode_with_kernel(tokens, positions, cache)
+        if self.kernels is not None:
+            return self._decode_with_kernels(tokens, positions, cache)
         b, kv, t = tokens.shape[0], self.cfg.num_kv_heads, cache.max_seq_len
         # Row of each new key in a layer's cache viewed as [slots * kv * max_seq_len, hd]:
         # one index_copy_ per layer writes every (slot, head) at its own position.
@@ -464,35 +473,45 @@ class Transformer:
         x = self._layers(F.embedding(tokens[:, None], self.w.embed), cos, sin, attend)
         return self._logits(x[:, 0])
 
-    def _decode_with_kernel(self, tokens: torch.Tensor, positions: torch.Tensor,
-                            cache: KVCache) -> torch.Tensor:
-        """`decode` with the C attention kernel: no mask, no index copies, exact lengths."""
-        c, kernel = self.cfg, self._attention_kernel
-        b, h, kv, hd, t = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, cache.max_seq_len
-        group = h // kv
-        out = torch.empty(b, h, 1, hd, dtype=self.dtype)
+    def _decode_with_kernels(self, tokens: torch.Tensor, positions: torch.Tensor,
+                             cache: KVCache) -> torch.Tensor:
+        """`decode` with the C kernels around oneDNN's matmuls: 3 calls a layer between them.
+
+        Same roundings as the torch path; attention runs over each sequence's exact length
+        in float32 (no mask, no padded slice).
+        """
+        c, k, w = self.cfg, self.kernels, self.w
+        b, h, kv, hd = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        group, t, eps = h // kv, cache.max_seq_len, c.rms_norm_eps
         threads = torch.get_num_threads()
-        work = torch.empty(threads * (2 * group * hd + group * t), dtype=torch.float32)
+        x = F.embedding(tokens, w.embed)  # [B, hidden], the residual stream (updated in place)
+        normed = torch.empty_like(x)
+        o = torch.empty(b, h * hd, dtype=self.dtype)
+        act = torch.empty(b, c.intermediate_size, dtype=self.dtype)
+        norm_work = torch.empty(max(c.hidden_size, hd), dtype=torch.float32)
+        attn_work = torch.empty(threads * (2 * group * hd + group * t + hd), dtype=torch.float32)
         pos = positions.contiguous()
-        scale = hd ** -0.5
-        ptr = _data_ptr
-
-        def attend(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q [B, H, 1, hd], k and v [B, KV, 1, hd]: views into one row per sequence
-            # whose heads are hd apart, which is the layout the kernel reads.
-            if n == 0:
-                for x in (q, k, v):
-                    if x.stride(1) != hd or x.stride(-1) != 1:
-                        raise AssertionError(f"unexpected strides {x.stride()} for the kernel")
-            kernel(ptr(q), ptr(k), ptr(v), q.stride(0), k.stride(0), v.stride(0),
-                   ptr(cache.k[n]), ptr(cache.v[n]), ptr(pos), ptr(out), b, h, kv, hd, t, scale,
-                   ptr(work), threads)
-            return out
-
-        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]
-        x = self._layers(F.embedding(tokens[:, None], self.w.embed), cos, sin, attend)
-        return self._logits(x[:, 0])
-
-
-def _data_ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
+        cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
+        k.add_rms_norm(x.data_ptr(), None, w.layers[0].attn_norm.data_ptr(), normed.data_ptr(),
+                       b, c.hidden_size, eps, norm_work.data_ptr())
+        for n, lw in enumerate(w.layers):
+            qkv = linear(normed, lw.wqkv, lw.bqkv)
+            qn = kn = None
+            if lw.qk_norm is not None:
+                qn, kn = lw.qk_norm[0].data_ptr(), lw.qk_norm[h].data_ptr()
+            k.rope_attention(qkv.data_ptr(), qkv.stride(0), qn, kn, cos, sin,
+                             cache.k[n].data_ptr(), cache.v[n].data_ptr(), pos.data_ptr(),
+                             o.data_ptr(), b, h, kv, hd, t, hd ** -0.5, eps,
+                             attn_work.data_ptr(), threads)
+            # Each matmul result is bound to a name: the kernel reads it after data_ptr()
+            # returns, so the tensor must still be alive then.
+            attn_out = linear(o, lw.wo, lw.bo)
+            k.add_rms_norm(x.data_ptr(), attn_out.data_ptr(), lw.mlp_norm.data_ptr(),
+                           normed.data_ptr(), b, c.hidden_size, eps, norm_work.data_ptr())
+            gate_up = linear(normed, lw.w_gate_up, lw.b_gate_up)
+            k.silu_mul(gate_up.data_ptr(), act.data_ptr(), b, c.intermediate_size)
+            mlp_out = linear(act, lw.w_down, lw.b_down)
+            nxt = w.layers[n + 1].attn_norm if n + 1 < len(w.layers) else w.norm
+            k.add_rms_norm(x.data_ptr(), mlp_out.data_ptr(), nxt.data_ptr(), normed.data_ptr(),
+                           b, c.hidden_size, eps, norm_work.data_ptr())
+        return linear(normed, w.lm_head)
