@@ -1,10 +1,11 @@
 """Small C kernels for the CPU decode path, compiled with the system's C compiler at first use.
 
 Each kernel is a plain C file next to this module. `load()` compiles it once into the
-asyncrl cache (keyed by the source and the compiler flags, so an edited kernel or another
-CPU gets its own build) and opens it with ctypes. No torch headers are needed, so a build
-takes about a second. When no compiler is available, `load()` returns None and callers
-keep their torch path; `ASYNCRL_NO_KERNELS=1` forces that.
+asyncrl cache and opens it with ctypes. The build is tuned for this CPU (-march=native), so
+it is keyed by the source, the compiler flags and the CPU's model and flags: an edited
+kernel or another CPU gets its own build. No torch headers are needed, so a build takes
+about a second. When no compiler is available, `load()` returns None and callers keep
+their torch path; `ASYNCRL_NO_KERNELS=1` forces that.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _build(name: str) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"{name}-{key}.so"
     if out.exists():
         return out
@@ -46,6 +47,18 @@ def _build(name: str) -> Path:
                        capture_output=True, text=True)
         os.replace(lib, out)  # atomic: concurrent builders each write their own temp file
     return out
+
+
+def _cpu_id() -> str:
+    """The CPU's model name and feature flags (a build for one CPU may not run on another)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
 
 
 @functools.cache
