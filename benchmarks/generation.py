@@ -26,18 +26,9 @@ from collections.abc import Callable
 import aiohttp
 import torch
 
+from asyncrl.inference.bench import prompts
 from asyncrl.inference.launch import server_command
 from asyncrl.models.hub import resolve_model_path
-
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain photosynthesis in one paragraph.", "How many legs does a spider have?"]
-
-
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    """`n` chat prompts of slightly different lengths."""
-    return [tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}],
-        add_generation_prompt=True, tokenize=True, return_dict=False) for i in range(n)]
 
 
 class Server:

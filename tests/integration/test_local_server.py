@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from procs import read_address
 from transformers import AutoModelForCausalLM
 
 from asyncrl.api.types import GenerationRequest, SamplingParams
@@ -25,25 +25,6 @@ from asyncrl.models.tiny import make_tiny_model
 torch.set_num_threads(1)
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _read_address(proc: subprocess.Popen, timeout: float) -> str:
-    """Wait for the server's 'listening on http://...' line."""
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            seen.append(lines.get(timeout=0.5))
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        if "listening on " in seen[-1]:
-            return seen[-1].rsplit("listening on ", 1)[1].strip()
-    tail = "".join(seen[-20:])
-    raise RuntimeError(f"server did not start (exit code {proc.poll()}):\n{tail}")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +42,7 @@ def server(models):
          "--threads", "1", "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        yield _read_address(proc, timeout=60)
+        yield read_address(proc, timeout=60)
     finally:
         proc.send_signal(signal.SIGTERM)
         # SIGTERM shuts the server down cleanly (exit code 0) within seconds.

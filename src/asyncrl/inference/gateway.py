@@ -15,13 +15,10 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import web
-
+from asyncrl.inference.http import serve_app
 from asyncrl.inference.openai_api import openai_app
 
 BACKENDS = ("local", "vllm", "sglang")
@@ -52,24 +49,10 @@ async def run_gateway(engine: Any, tokenizer: Any, *, model_name: str, host: str
                       api_key: str | None, max_model_len: int | None = None,
                       stop: asyncio.Event | None = None) -> None:
     """Serve the /v1 routes until SIGTERM/SIGINT (or `stop` is set)."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    in_main = threading.current_thread() is threading.main_thread()
-    signals = (signal.SIGTERM, signal.SIGINT) if in_main else ()
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
     app = openai_app(engine, tokenizer, model_name, api_key=api_key, max_model_len=max_model_len)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    bound = runner.addresses[0]
-    print(f"asyncrl openai gateway listening on http://{bound[0]}:{bound[1]}", flush=True)
     try:
-        await stop.wait()
+        await serve_app(app, host=host, port=port, banner="asyncrl openai gateway", stop=stop)
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
         await engine.close()
 
 

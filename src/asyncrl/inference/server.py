@@ -16,8 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
-import threading
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -27,6 +25,7 @@ from aiohttp import web
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.engine import LocalEngine
+from asyncrl.inference.http import serve_app
 from asyncrl.inference.local_backend import LocalBackend
 from asyncrl.inference.openai_api import OpenAIRoutes, key_matches, unauthorized
 
@@ -179,28 +178,13 @@ class InferenceServer:
 
 async def run_server(engine: LocalEngine, *, host: str, port: int, model_name: str,
                      api_key: str | None, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # Signal handlers can only be installed from the main thread (tests serve from others).
-    in_main = threading.current_thread() is threading.main_thread()
-    signals = (signal.SIGTERM, signal.SIGINT) if in_main else ()
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(InferenceServer(engine, model_name=model_name, api_key=api_key).app,
-                           access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    bound = runner.addresses[0]
-    # Parsed by callers that start the server with --port 0.
-    print(f"asyncrl inference server listening on http://{bound[0]}:{bound[1]}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    """Serve `engine` until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
+    async def close_engine() -> None:
         engine.close()  # fails requests in flight, so their handlers answer before cleanup
-        await runner.cleanup()
+
+    app = InferenceServer(engine, model_name=model_name, api_key=api_key).app
+    await serve_app(app, host=host, port=port, banner="asyncrl inference server",
+                    before_cleanup=close_engine, stop=stop)
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,

@@ -1,0 +1,40 @@
+"""Serving an aiohttp application until a signal: shared by the inference server and gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+
+async def serve_app(app: web.Application, *, host: str, port: int, banner: str,
+                    before_cleanup: Callable[[], Awaitable[None]] | None = None,
+                    stop: asyncio.Event | None = None) -> None:
+    """Serve `app` until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly.
+
+    Prints "<banner> listening on http://HOST:PORT" once bound (callers that pass port 0
+    parse it). `before_cleanup()` runs before the server closes its connections.
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Signal handlers can only be installed from the main thread (tests serve from others).
+    in_main = threading.current_thread() is threading.main_thread()
+    signals = (signal.SIGTERM, signal.SIGINT) if in_main else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    bound = runner.addresses[0]
+    print(f"{banner} listening on http://{bound[0]}:{bound[1]}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        if before_cleanup is not None:
+            await before_cleanup()
+        await runner.cleanup()
