@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn, normalize, ppo_loss
+from asyncrl.algorithms import (
+    compute_advantages,
+    make_ppo_loss_fn,
+    normalize,
+    overlong_penalty,
+    ppo_loss,
+)
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, NormConfig
 
@@ -205,3 +211,74 @@ def test_prox_from_the_current_forward_equals_a_separate_recomputation():
     assert loss_sep.item() == pytest.approx(expected, abs=1e-6)
     torch.testing.assert_close(grad_fused, grad_sep)
     assert stats_fused == stats_sep and stats_fused["capped_tokens"] == 1.0
+
+
+# ---- reward shaping: clip and DAPO's overlong penalty ----------------------------------------
+
+def test_reward_clip_bounds_the_shaped_reward():
+    # (r + 0) * 2 = [6, -6, 1]; clipped to [-5, 5] -> [5, -5, 1].
+    batch = make_batch([3, -3, 0.5], [[1], [1], [1]])
+    cfg = ActorConfig(path="x", reward_scaling=2.0, reward_clip=5.0, reward_norm=None)
+    torch.testing.assert_close(compute_advantages(batch, cfg), torch.tensor([[5.0], [-5.0], [1.0]]))
+
+
+def test_overlong_penalty_below_at_and_inside_the_window():
+    # max_len 10, window 4: free up to 10 - 4 = 6 tokens.
+    # L = 5, 6 -> 0; L = 7 -> -(7 - 6) / 4 * 0.5 = -0.125; L = 10 -> -(10 - 6) / 4 * 0.5 = -0.5.
+    out = overlong_penalty(torch.tensor([5, 6, 7, 10]), max_len=10, overlong_tokens=4, factor=0.5)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.125, -0.5]))
+
+
+def test_overlong_penalty_is_added_to_the_raw_reward_by_loss_token_count():
+    # max_new_tokens 4, window 2: free up to 2 tokens. Row 0 has 2 loss tokens -> 1 + 0;
+    # row 1 has 4 -> 1 - (4 - 2) / 2 * 1 = 0; row 2 has 3 -> 0 - (3 - 2) / 2 = -0.5.
+    batch = make_batch([1, 1, 0], [[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    cfg = ActorConfig(path="x", reward_norm=None, overlong_reward_penalty=True,
+                      overlong_tokens=2, max_new_tokens=4)
+    expected = torch.tensor([[0, 0, 1.0, 1.0], [0.0] * 4, [0, -0.5, -0.5, -0.5]])
+    torch.testing.assert_close(compute_advantages(batch, cfg), expected)
+
+
+def test_overlong_penalty_without_a_budget_names_the_key():
+    cfg = ActorConfig(path="x", reward_norm=None, overlong_reward_penalty=True, overlong_tokens=2)
+    with pytest.raises(ValueError, match="actor.max_new_tokens is unset"):
+        compute_advantages(make_batch([1], [[1]]), cfg)
+
+
+# ---- normalisation: leave-one-out mean (RLOO), unbiased std -----------------------------------
+
+def test_leave_one_out_mean_excludes_each_sample():
+    # [1, 0, 0, 1], sum 2: baselines (2 - 1) / 3 = 1/3 and (2 - 0) / 3 = 2/3,
+    # so x - baseline = [2/3, -2/3, -2/3, 2/3].
+    out = normalize(torch.tensor([1.0, 0.0, 0.0, 1.0]), mean_level="group", std_level="none",
+                    group_size=4, mean_leave1out=True)
+    torch.testing.assert_close(out, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+def test_rloo_advantage_is_n_over_n_minus_1_times_the_centred_reward():
+    # Groups of 2: [3, 1] and [4, 0]. The leave-one-out baseline is the other sample:
+    # 3 - 1 = 2, 1 - 3 = -2, 4 - 0 = 4, 0 - 4 = -4.
+    batch = make_batch([3, 1, 4, 0], [[1, 1]] * 4)
+    cfg = ActorConfig(path="x", reward_norm=NormConfig(group_size=2, std_level="none",
+                                                       mean_leave1out=True))
+    expected = torch.tensor([2.0, -2.0, 4.0, -4.0])[:, None].expand(4, 2)
+    torch.testing.assert_close(compute_advantages(batch, cfg), expected)
+
+
+def test_unbiased_std_divides_by_n_minus_1():
+    # [1, 0, 0, 1]: mean 0.5, squared deviations sum 4 * 0.25 = 1; unbiased variance 1 / 3,
+    # std sqrt(1/3), so +-0.5 / sqrt(1/3) = +-sqrt(3) / 2 (population std would give +-1).
+    out = normalize(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4, eps=0.0, std_unbiased=True)
+    h = math.sqrt(3) / 2
+    torch.testing.assert_close(out, torch.tensor([h, -h, -h, h]))
+
+
+def test_leave_one_out_on_a_group_of_one_is_an_error():
+    with pytest.raises(ValueError, match="mean_leave1out needs at least 2 samples per group"):
+        normalize(torch.tensor([1.0, 0.0]), mean_level="group", std_level="none",
+                  group_size=1, mean_leave1out=True)
+
+
+def test_norm_config_rejects_leave_one_out_with_group_size_1():
+    with pytest.raises(ValueError, match=r"actor.reward_norm.mean_leave1out=true needs groups"):
+        ActorConfig(path="x", reward_norm=NormConfig(group_size=1, mean_leave1out=True))
