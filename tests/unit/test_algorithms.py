@@ -91,13 +91,14 @@ def test_group_norm_without_group_size_names_the_field():
 
 # ---- PPO loss -----------------------------------------------------------------------------
 
-def loss_of(logp, *, prox, behav, adv, mask=None, eps_clip=0.2, eps_clip_higher=None, cap=None):
+def loss_of(logp, *, prox, behav, adv, mask=None, eps_clip=0.2, eps_clip_higher=None, cap=None,
+            c_clip=None):
     logp = torch.tensor(logp, requires_grad=True)
     mask = torch.ones_like(logp) if mask is None else torch.tensor(mask)
     loss, stats = ppo_loss(logp, prox_logprobs=torch.tensor(prox),
                            behavior_logprobs=torch.tensor(behav),
                            advantages=torch.tensor(adv), loss_mask=mask, eps_clip=eps_clip,
-                           eps_clip_higher=eps_clip_higher, imp_weight_cap=cap,
+                           eps_clip_higher=eps_clip_higher, imp_weight_cap=cap, c_clip=c_clip,
                            n_tokens=int(mask.sum()))
     loss.backward()
     return loss.item(), stats, logp.grad
@@ -282,3 +283,120 @@ def test_leave_one_out_on_a_group_of_one_is_an_error():
 def test_norm_config_rejects_leave_one_out_with_group_size_1():
     with pytest.raises(ValueError, match=r"actor.reward_norm.mean_leave1out=true needs groups"):
         ActorConfig(path="x", reward_norm=NormConfig(group_size=1, mean_leave1out=True))
+
+
+# ---- dual clip, aggregation modes, GSPO, stats ------------------------------------------------
+
+def test_dual_clip_caps_only_negative_advantages_beyond_c_clip():
+    # c_clip 3, eps 0.2. Token 1: A = -1, ratio 5 -> max(5, 1.2) = 5, capped at -A * 3 = 3.
+    # Token 2: A = -1, ratio 2 -> max(2, 1.2) = 2 < 3, untouched.
+    # Token 3: A = +1, ratio 5 -> max(-5, -1.2) = -1.2; -A * 3 = -3 is lower but A > 0: untouched.
+    # Loss (3 + 2 - 1.2) / 3 = 3.8 / 3 (without the dual clip: (5 + 2 - 1.2) / 3 = 5.8 / 3).
+    # Only token 2 has a gradient: d(-A r)/dlogp = r = 2, / 3 tokens.
+    logp = [math.log(5.0), math.log(2.0), math.log(5.0)]
+    kwargs = dict(prox=[0.0] * 3, behav=[0.0] * 3, adv=[-1.0, -1.0, 1.0])
+    loss, stats, grad = loss_of(logp, c_clip=3.0, **kwargs)
+    assert loss == pytest.approx(3.8 / 3)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 2.0 / 3, 0.0]))
+    assert stats["dual_clip_frac"] == pytest.approx(1 / 3)
+    assert stats["clip_frac"] == pytest.approx(1 / 3)  # token 3 only
+    assert loss_of(logp, **kwargs)[0] == pytest.approx(5.8 / 3)
+
+
+def agg_loss(mode, rows=(0, 1)):
+    # Ratio 1 and weight 1, so each token's loss is -A. Loss tokens: sequence 0 has A = 1, 2, 3
+    # (one padding token), sequence 1 has A = 6 (three padding tokens).
+    adv = torch.tensor([[1.0, 2.0, 3.0, 9.0], [6.0, 9.0, 9.0, 9.0]])[list(rows)]
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])[list(rows)]
+    loss, _ = ppo_loss(torch.zeros_like(adv), prox_logprobs=torch.zeros_like(adv),
+                       behavior_logprobs=torch.zeros_like(adv), advantages=adv, loss_mask=mask,
+                       eps_clip=0.2, loss_agg_mode=mode, n_tokens=4, n_seqs=2)
+    return loss.item()
+
+
+def test_loss_aggregation_modes_on_sequences_of_different_lengths():
+    # token-mean: -(1 + 2 + 3 + 6) / 4 = -3 (the long sequence weighs 3/4).
+    # seq-mean-token-mean: mean(-(1 + 2 + 3) / 3, -6 / 1) = mean(-2, -6) = -4.
+    # seq-mean-token-sum: mean(-(1 + 2 + 3), -6) = mean(-6, -6) = -6.
+    assert agg_loss("token-mean") == pytest.approx(-3.0)
+    assert agg_loss("seq-mean-token-mean") == pytest.approx(-4.0)
+    assert agg_loss("seq-mean-token-sum") == pytest.approx(-6.0)
+
+
+def test_sequence_aggregation_adds_up_over_micro_batches():
+    # Each row alone, divided by the batch's 2 sequences: -2 / 2 + -6 / 2 = -4.
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        assert agg_loss(mode, rows=[0]) + agg_loss(mode, rows=[1]) == pytest.approx(agg_loss(mode))
+
+
+def test_unknown_aggregation_mode_names_the_key():
+    with pytest.raises(ValueError, match="actor.loss_agg_mode must be one of"):
+        agg_loss("seq-sum")
+
+
+def gspo_loss(log_ratios, level):
+    logp = torch.tensor([log_ratios + [7.0]], requires_grad=True)  # the last token is padding
+    loss, stats = ppo_loss(logp, prox_logprobs=torch.zeros(1, 3), behavior_logprobs=torch.zeros(1, 3),
+                           advantages=torch.ones(1, 3), loss_mask=torch.tensor([[1.0, 1.0, 0.0]]),
+                           eps_clip=0.2, importance_sampling_level=level, n_tokens=2, n_seqs=1)
+    loss.backward()
+    return loss.item(), stats, logp.grad
+
+
+def test_gspo_ratio_is_one_value_per_sequence():
+    # Log-ratios 0.1 and 0.15 -> mean 0.125, ratio r = e^0.125 ~ 1.133 < 1.2 on both tokens:
+    # loss (-r - r) / 2 = -r. Each token's term depends on both log-probs through the mean
+    # (d mean / d logp_j = 1/2), so d loss / d logp_j = -r / 2 for both: equal.
+    loss, stats, grad = gspo_loss([0.1, 0.15], "sequence")
+    r = math.exp(0.125)
+    assert loss == pytest.approx(-r)
+    assert stats["ratio_mean"] == pytest.approx(r)
+    torch.testing.assert_close(grad, torch.tensor([[-r / 2, -r / 2, 0.0]]))
+    # Per token the gradients differ: -e^0.1 / 2 and -e^0.15 / 2.
+    _, _, grad = gspo_loss([0.1, 0.15], "token")
+    torch.testing.assert_close(grad, torch.tensor([[-math.exp(0.1) / 2, -math.exp(0.15) / 2, 0.0]]))
+
+
+def test_gspo_clips_the_whole_sequence_on_its_ratio():
+    # Log-ratios 0.5 and 0.1: mean 0.3, ratio e^0.3 ~ 1.35 > 1.2, so both tokens are clipped
+    # (loss -1.2, no gradient) although e^0.1 ~ 1.105 alone is inside the trust region.
+    loss, stats, grad = gspo_loss([0.5, 0.1], "sequence")
+    assert loss == pytest.approx(-1.2)
+    assert stats["clip_frac"] == 1.0
+    assert torch.equal(grad, torch.zeros(1, 3))
+    # Per token only e^0.5 ~ 1.65 is clipped: loss (-1.2 - e^0.1) / 2.
+    loss, stats, _ = gspo_loss([0.5, 0.1], "token")
+    assert loss == pytest.approx((-1.2 - math.exp(0.1)) / 2)
+    assert stats["clip_frac"] == 0.5
+
+
+def test_clip_fraction_counts_loss_tokens_only_over_the_batch_token_count():
+    # Ratios 1.5 with A = 1 are all clipped, but the third token is off the mask and the
+    # batch has 4 loss tokens (the others in another micro-batch): 2 / 4.
+    logp = torch.full((3,), math.log(1.5))
+    _, stats = ppo_loss(logp, prox_logprobs=torch.zeros(3), behavior_logprobs=torch.zeros(3),
+                        advantages=torch.ones(3), loss_mask=torch.tensor([1.0, 1.0, 0.0]),
+                        eps_clip=0.2, n_tokens=4)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+
+
+def test_approx_kl_is_the_k3_estimator_between_policy_and_proximal():
+    # d = prox - logp = ln 2 on token 1, 0 on token 2: k3 = e^d - 1 - d = 1 - ln 2, and 0.
+    # Mean over 2 loss tokens: (1 - ln 2) / 2. behav = prox: weight 1, behav_kl 0.
+    prox = [math.log(2.0), 0.0]
+    _, stats, _ = loss_of([0.0, 0.0], prox=prox, behav=prox, adv=[1.0, 1.0])
+    assert stats["approx_kl"] == pytest.approx((1 - math.log(2)) / 2)
+    assert stats["behav_kl"] == 0.0
+    assert stats["imp_weight_mean"] == 1.0
+
+
+def test_loss_fn_reads_the_algorithm_keys_from_the_config():
+    # Plain PPO, ratio 1: token losses -A = -1, -2, -3 (sequence 0), -6 (sequence 1);
+    # seq-mean-token-sum: (-6 - 6) / 2 = -6.
+    adv = [[1.0, 2.0, 3.0], [6.0, 0.0, 0.0]]
+    mb = make_batch([0, 0], [[1, 1, 1], [1, 0, 0]], advantages=adv)
+    cfg = ActorConfig(path="x", use_decoupled_loss=False, loss_agg_mode="seq-mean-token-sum",
+                      c_clip=3.0, importance_sampling_level="sequence")
+    loss, stats = make_ppo_loss_fn(cfg)(torch.zeros(2, 3), mb, n_tokens=4, n_seqs=2)
+    assert loss.item() == pytest.approx(-6.0)
+    assert stats["dual_clip_frac"] == 0.0
