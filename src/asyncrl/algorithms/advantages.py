@@ -123,8 +123,8 @@ def _normalize_with(values: torch.Tensor, norm: NormConfig, name: str,
 
 def _overlong_penalty_of(lengths: torch.Tensor, cfg: ActorConfig) -> torch.Tensor:
     if cfg.max_new_tokens is None:
-        raise ValueError("actor.overlong_reward_penalty=true but actor.max_new_tokens is unset; "
-                         "set it to gconfig.max_new_tokens (ExperimentConfig fills it in when loaded)")
+        raise ValueError("actor.overlong_reward_penalty=true but actor.max_new_tokens is unset; set "
+                         "it to gconfig.max_new_tokens (ExperimentConfig fills it in when loaded)")
     return overlong_penalty(lengths, max_len=cfg.max_new_tokens,
                             overlong_tokens=cfg.overlong_tokens, factor=cfg.overlong_penalty_factor)
 

@@ -80,7 +80,7 @@ def ppo_loss(logprobs: torch.Tensor, *, prox_logprobs: torch.Tensor,
              imp_weight_cap: float | None = None, c_clip: float | None = None,
              loss_agg_mode: str = "token-mean", importance_sampling_level: str = "token",
              n_tokens: int, n_seqs: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """agg(max(-A r, -A clip(r)) * w * mask): r = p/prox per token or sequence, w = prox/behav <= cap."""
+    """agg(max(-A r, -A clip(r)) * w * mask), r = p/prox (per token or sequence), w = prox/behav."""
     mask = loss_mask > 0
     denom = max(n_tokens, 1)  # a batch without loss tokens has loss 0, not NaN
     log_ratio = logprobs - prox_logprobs
