@@ -98,3 +98,43 @@ def test_every_shipped_config_loads(path):
 def test_several_nodes_with_the_local_scheduler_is_explained(base_yaml):
     with pytest.raises(ConfigError, match="cluster.n_nodes=2 but scheduler.type=local"):
         load_config(base_yaml, ["cluster.n_nodes=2"])
+
+
+def test_algorithm_options_load_and_fill_the_overlong_budget(base_yaml):
+    cfg = load_config(base_yaml, [
+        "gconfig.max_new_tokens=64", "actor.overlong_reward_penalty=true", "actor.overlong_tokens=16",
+        "actor.c_clip=3.0", "actor.loss_agg_mode=seq-mean-token-mean",
+        "actor.importance_sampling_level=sequence", "actor.reward_norm.mean_leave1out=true",
+        "actor.reward_norm.std_unbiased=true", "actor.reward_clip=5"])
+    assert cfg.actor.max_new_tokens == 64
+    assert cfg.actor.reward_norm.mean_leave1out and cfg.actor.reward_norm.std_unbiased
+    assert cfg.actor.c_clip == 3.0 and cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.c_clip=1.0", "actor.c_clip must be > 1"),
+    ("actor.loss_agg_mode=seq-sum", "actor.loss_agg_mode"),
+    ("actor.importance_sampling_level=group", "actor.importance_sampling_level"),
+    ("actor.reward_clip=0", "actor.reward_clip must be > 0"),
+    ("actor.overlong_penalty_factor=-1", "actor.overlong_penalty_factor must be >= 0"),
+    ("actor.overlong_reward_penalty=true", "needs actor.overlong_tokens >= 1"),
+    ("actor.reward_norm.eps=-1", "actor.reward_norm.eps must be >= 0"),
+])
+def test_bad_algorithm_options_name_the_key(base_yaml, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(base_yaml, [override])
+
+
+def test_overlong_window_longer_than_the_budget_is_explained(base_yaml):
+    with pytest.raises(ConfigError, match="actor.overlong_tokens=300 exceeds gconfig.max_new_tokens=256"):
+        load_config(base_yaml, ["actor.overlong_reward_penalty=true", "actor.overlong_tokens=300"])
+
+
+def test_leave_one_out_with_one_sample_per_prompt_is_explained(base_yaml):
+    with pytest.raises(ConfigError, match="mean_leave1out=true needs groups of at least 2"):
+        load_config(base_yaml, ["gconfig.n_samples=1", "actor.reward_norm.mean_leave1out=true"])
+
+
+def test_actor_max_new_tokens_must_agree_with_gconfig(base_yaml):
+    with pytest.raises(ConfigError, match="actor.max_new_tokens=32 but gconfig.max_new_tokens=256"):
+        load_config(base_yaml, ["actor.max_new_tokens=32"])

@@ -16,10 +16,25 @@ from asyncrl.config.schema import ActorConfig, NormConfig
 LEVELS = ("batch", "group", "none")
 
 
-def shape_rewards(rewards: torch.Tensor, *, scaling: float = 1.0,
-                  bias: float = 0.0) -> torch.Tensor:
-    """(r + bias) * scaling."""
-    return (rewards + bias) * scaling
+def shape_rewards(rewards: torch.Tensor, *, scaling: float = 1.0, bias: float = 0.0,
+                  clip: float | None = None) -> torch.Tensor:
+    """(r + bias) * scaling, then clipped to [-clip, clip] when `clip` is set."""
+    shaped = (rewards + bias) * scaling
+    return shaped if clip is None else shaped.clamp(-clip, clip)
+
+
+def overlong_penalty(lengths: torch.Tensor, *, max_len: int, overlong_tokens: int,
+                     factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len - overlong_tokens, then linear to -factor.
+
+    A completion of L tokens gets -(L - (max_len - overlong_tokens)) / overlong_tokens * factor
+    once it enters the last `overlong_tokens` of the budget, and 0 before.
+    """
+    if not 1 <= overlong_tokens <= max_len:
+        raise ValueError(f"actor.overlong_tokens must be in [1, {max_len}] (the generation "
+                         f"budget), got {overlong_tokens}")
+    excess = lengths.float() - (max_len - overlong_tokens)
+    return (-excess / overlong_tokens * factor).clamp(max=0.0)
 
 
 def _grouped(x: torch.Tensor, level: str, group_size: int | None) -> torch.Tensor:
@@ -39,22 +54,46 @@ def _grouped(x: torch.Tensor, level: str, group_size: int | None) -> torch.Tenso
     return x.reshape(rows // size, size, *x.shape[1:])
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor, level: str,
-                 group_size: int | None) -> torch.Tensor:
-    """The mean of `x` over the masked entries of each group, broadcast back to `x`'s shape."""
+def _group_sums(x: torch.Tensor, mask: torch.Tensor, level: str,
+                group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked sum and count of `x` over each group, both broadcast back to `x`'s shape."""
     xs, ms = _grouped(x * mask, level, group_size), _grouped(mask, level, group_size)
     dims = tuple(range(1, xs.dim()))
-    mean = xs.sum(dims, keepdim=True) / ms.sum(dims, keepdim=True).clamp(min=1)
-    return mean.expand_as(xs).reshape(x.shape)
+    total = xs.sum(dims, keepdim=True).expand_as(xs).reshape(x.shape)
+    count = ms.sum(dims, keepdim=True).expand_as(ms).reshape(x.shape)
+    return total, count
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, level: str,
+                 group_size: int | None, *, leave1out: bool = False,
+                 unbiased: bool = False) -> torch.Tensor:
+    """The mean of `x` over the masked entries of each group, broadcast back to `x`'s shape.
+
+    `leave1out`: each entry's mean excludes itself, (sum - x_i) / (n - 1) (RLOO's baseline).
+    `unbiased`: divide by n - 1 instead of n (for a variance of centred values).
+    """
+    total, count = _group_sums(x, mask, level, group_size)
+    if leave1out:
+        if bool(((count < 2) & (mask > 0)).any()):
+            raise ValueError("mean_leave1out needs at least 2 samples per group (a sample's "
+                             "baseline is the mean of the others); raise gconfig.n_samples "
+                             "or set mean_leave1out=false")
+        return (total - x * mask) / (count - 1).clamp(min=1)
+    if unbiased:
+        return total / (count - 1).clamp(min=1)
+    return total / count.clamp(min=1)
 
 
 def normalize(values: torch.Tensor, *, mean_level: str = "group", std_level: str = "group",
               group_size: int | None = None, eps: float = 1e-5,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, mean_leave1out: bool = False,
+              std_unbiased: bool = False) -> torch.Tensor:
     """(values - mean) / (std + eps), each statistic over the batch, each group, or skipped.
 
     `values` is [B] or [B, T]; with `mask` only its non-zero entries count, and the result
     is 0 off the mask. A level of "none" skips that step (no subtraction / no division).
+    `mean_leave1out`: each entry's mean leaves that entry out (RLOO). `std_unbiased`: the
+    variance divides by n - 1 rather than n.
     """
     for name, level in (("mean_level", mean_level), ("std_level", std_level)):
         if level not in LEVELS:
@@ -62,12 +101,13 @@ def normalize(values: torch.Tensor, *, mean_level: str = "group", std_level: str
     mask = torch.ones_like(values) if mask is None else mask.to(values.dtype)
     out = values
     if mean_level != "none":
-        out = values - _masked_mean(values, mask, mean_level, group_size)
+        out = values - _masked_mean(values, mask, mean_level, group_size, leave1out=mean_leave1out)
     if std_level != "none":
-        # The spread is measured around the std level's own mean, whatever mean_level is.
+        # The spread is measured around the std level's own (full) mean, whatever mean_level
+        # is and whether or not the mean leaves one out, as in AReaL.
         centred = values - _masked_mean(values, mask, std_level, group_size)
-        std = _masked_mean(centred.square(), mask, std_level, group_size).sqrt()
-        out = out / (std + eps)
+        var = _masked_mean(centred.square(), mask, std_level, group_size, unbiased=std_unbiased)
+        out = out / (var.sqrt() + eps)
     return out * mask
 
 
@@ -77,19 +117,33 @@ def _normalize_with(values: torch.Tensor, norm: NormConfig, name: str,
         raise ValueError(f"actor.{name}.group_size is unset; set it to gconfig.n_samples "
                          "(ExperimentConfig fills it in when loaded)")
     return normalize(values, mean_level=norm.mean_level, std_level=norm.std_level,
-                     group_size=norm.group_size, eps=norm.eps, mask=mask)
+                     group_size=norm.group_size, eps=norm.eps, mask=mask,
+                     mean_leave1out=norm.mean_leave1out, std_unbiased=norm.std_unbiased)
+
+
+def _overlong_penalty_of(lengths: torch.Tensor, cfg: ActorConfig) -> torch.Tensor:
+    if cfg.max_new_tokens is None:
+        raise ValueError("actor.overlong_reward_penalty=true but actor.max_new_tokens is unset; set "
+                         "it to gconfig.max_new_tokens (ExperimentConfig fills it in when loaded)")
+    return overlong_penalty(lengths, max_len=cfg.max_new_tokens,
+                            overlong_tokens=cfg.overlong_tokens, factor=cfg.overlong_penalty_factor)
 
 
 def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
     """GRPO advantages [B, T]: shaped, normalised rewards on every loss token, 0 elsewhere.
 
-    Steps: (r + reward_bias) * reward_scaling -> `reward_norm` over rows -> broadcast to the
-    loss tokens -> optional `adv_norm` over the loss tokens.
+    Steps: optional overlong penalty on the raw reward -> (r + reward_bias) * reward_scaling
+    -> optional clip to [-reward_clip, reward_clip] -> `reward_norm` over rows -> broadcast
+    to the loss tokens -> optional `adv_norm` over the loss tokens.
     """
-    rewards = shape_rewards(batch.rewards.float(), scaling=cfg.reward_scaling, bias=cfg.reward_bias)
+    mask = (batch.loss_mask > 0).float()
+    rewards = batch.rewards.float()
+    if cfg.overlong_reward_penalty:
+        rewards = rewards + _overlong_penalty_of(mask.sum(-1), cfg)
+    rewards = shape_rewards(rewards, scaling=cfg.reward_scaling, bias=cfg.reward_bias,
+                            clip=cfg.reward_clip)
     if cfg.reward_norm is not None:
         rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm")
-    mask = (batch.loss_mask > 0).float()
     advantages = rewards[:, None] * mask
     if cfg.adv_norm is not None:
         advantages = _normalize_with(advantages, cfg.adv_norm, "adv_norm", mask=mask)

@@ -5,9 +5,10 @@ recomputation before the update, and each token is weighted by proximal/behaviou
 engine that sampled it, possibly several versions old). Tokens whose weight exceeds the
 cap are masked out, not clipped. Plain PPO is the special case proximal := behaviour.
 
-The loss is token-level: summed over the loss tokens of a micro-batch and divided by the
-loss-token count of the whole batch, so micro-batch losses add up to the batch loss.
-Stats follow the same rule (contributions that sum to batch means), except `*_max`.
+By default the loss is token-level: summed over the loss tokens of a micro-batch and divided
+by the loss-token count of the whole batch, so micro-batch losses add up to the batch loss.
+`loss_agg_mode` can average per sequence instead (divided by the batch's sequence count).
+Stats are always token-level (contributions that sum to batch means), except `*_max`.
 """
 
 from __future__ import annotations
@@ -18,40 +19,101 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig
 
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+IS_LEVELS = ("token", "sequence")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as [B, T]: a 1-D tensor is one sequence."""
+    return x[None] if x.dim() == 1 else x
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO: each sequence's mean log-ratio over its loss tokens, on every one of its tokens."""
+    lr, m = _rows(log_ratio), _rows(mask).to(log_ratio.dtype)
+    mean = (lr * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    return mean.expand_as(lr).reshape(log_ratio.shape)
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: int,
+              n_seqs: int | None) -> torch.Tensor:
+    """Reduce masked token losses to a scalar, as a micro-batch's share of the batch loss.
+
+    token-mean: sum / n_tokens. seq-mean-token-mean: sum over sequences of (sum over its loss
+    tokens / its loss-token count), / n_seqs. seq-mean-token-sum: sum / n_seqs. `n_tokens`
+    and `n_seqs` are the whole batch's, so micro-batch shares add up to the batch loss.
+    """
+    masked = token_loss * mask
+    if mode == "token-mean":
+        return masked.sum() / max(n_tokens, 1)  # no loss tokens: 0, not NaN
+    if mode not in AGG_MODES:
+        raise ValueError(f"actor.loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    if n_seqs is None:
+        raise ValueError(f"loss_agg_mode={mode!r} needs n_seqs (the batch's sequence count)")
+    per_seq = _rows(masked).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / _rows(mask).sum(-1).clamp(min=1)
+    return per_seq.sum() / max(n_seqs, 1)
+
+
+def _policy_term(ratio: torch.Tensor, advantages: torch.Tensor, *, eps_clip: float,
+                 eps_clip_higher: float | None,
+                 c_clip: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The clipped (and optionally dual-clipped) token loss, with where each clip is active."""
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    is_clipped = pg_clipped > pg_unclipped
+    if c_clip is None:
+        return pg, is_clipped, torch.zeros_like(is_clipped)
+    # Dual clip (Ye et al. 2019): with A < 0 a huge ratio would make the loss unbounded;
+    # cap it at -A * c_clip.
+    pg_dual = -advantages * c_clip
+    is_dual = (advantages < 0) & (pg_dual < pg)
+    return torch.where(advantages < 0, torch.minimum(pg, pg_dual), pg), is_clipped, is_dual
+
 
 def ppo_loss(logprobs: torch.Tensor, *, prox_logprobs: torch.Tensor,
              behavior_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
              eps_clip: float, eps_clip_higher: float | None = None,
-             imp_weight_cap: float | None = None,
-             n_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """sum(max(-A r, -A clip(r)) * w * mask) / n_tokens, r = p/prox, w = prox/behav <= cap."""
+             imp_weight_cap: float | None = None, c_clip: float | None = None,
+             loss_agg_mode: str = "token-mean", importance_sampling_level: str = "token",
+             n_tokens: int, n_seqs: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """agg(max(-A r, -A clip(r)) * w * mask), r = p/prox (per token or sequence), w = prox/behav."""
     mask = loss_mask > 0
     denom = max(n_tokens, 1)  # a batch without loss tokens has loss 0, not NaN
-    ratio = torch.exp(logprobs - prox_logprobs)
-    high = eps_clip if eps_clip_higher is None else eps_clip_higher
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * clipped_ratio
-    pg = torch.maximum(pg_unclipped, pg_clipped)
+    log_ratio = logprobs - prox_logprobs
+    if importance_sampling_level == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, mask)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"actor.importance_sampling_level must be one of {IS_LEVELS}, "
+                         f"got {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)
+    pg, is_clipped, is_dual = _policy_term(ratio, advantages, eps_clip=eps_clip,
+                                           eps_clip_higher=eps_clip_higher, c_clip=c_clip)
 
     log_w = (prox_logprobs - behavior_logprobs).detach()
     weight = torch.exp(log_w)
     capped = torch.zeros_like(mask) if imp_weight_cap is None else mask & (weight > imp_weight_cap)
     kept = mask & ~capped
-    loss = (pg * weight * kept).sum() / denom
+    loss = aggregate(pg * weight, kept, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs)
 
     with torch.no_grad():
-        is_clipped = kept & (pg_clipped > pg_unclipped)
-        # k3 estimator of KL(behaviour || proximal): non-negative, low variance.
-        kl = weight - 1.0 - log_w
+        # k3 estimators (Schulman): exp(d) - 1 - d is non-negative with low variance.
+        behav_kl = weight - 1.0 - log_w
+        d = (prox_logprobs - logprobs).detach()  # approx KL(policy || proximal), sampled
+        approx_kl = torch.exp(d) - 1.0 - d
         stats = {
-            "clip_frac": float(is_clipped.sum()) / denom,
+            "clip_frac": float((kept & is_clipped).sum()) / denom,
+            "dual_clip_frac": float((kept & is_dual).sum()) / denom,
             "ratio_mean": float((ratio * mask).sum()) / denom,
             "imp_weight_mean": float((weight * mask).sum()) / denom,
             "imp_weight_max": float(weight[mask].max()) if mask.any() else 0.0,
             "capped_frac": float(capped.sum()) / denom,
             "capped_tokens": float(capped.sum()),
-            "behav_kl": float((kl * mask).sum()) / denom,
+            "behav_kl": float((behav_kl * mask).sum()) / denom,
+            "approx_kl": float((approx_kl * mask).sum()) / denom,
         }
     return loss, stats
 
@@ -79,6 +141,9 @@ def make_ppo_loss_fn(cfg: ActorConfig, *, prox_is_current: bool = False) -> Loss
             prox, cap = mb.behavior_logprobs, None
         return ppo_loss(logprobs, prox_logprobs=prox, behavior_logprobs=mb.behavior_logprobs,
                         advantages=mb.advantages, loss_mask=mb.loss_mask, eps_clip=cfg.eps_clip,
-                        eps_clip_higher=cfg.eps_clip_higher, imp_weight_cap=cap, n_tokens=n_tokens)
+                        eps_clip_higher=cfg.eps_clip_higher, imp_weight_cap=cap,
+                        c_clip=cfg.c_clip, loss_agg_mode=cfg.loss_agg_mode,
+                        importance_sampling_level=cfg.importance_sampling_level,
+                        n_tokens=n_tokens, n_seqs=n_seqs)
 
     return loss_fn

@@ -163,6 +163,21 @@ class NormConfig:
     std_level: NormLevel = "group"
     group_size: Optional[int] = None  # samples per group; None: gconfig.n_samples
     eps: float = 1e-5
+    # RLOO: each sample's mean leaves that sample out, (sum - x_i) / (n - 1).
+    mean_leave1out: bool = False
+    std_unbiased: bool = False  # variance divides by n - 1 (false: population std, / n)
+
+    def check(self, name: str) -> None:
+        """Raise naming `actor.<name>.<key>` if a value is out of range."""
+        _check(self.eps >= 0, f"actor.{name}.eps must be >= 0, got {self.eps}")
+        _check(self.group_size is None or self.group_size >= 1,
+               f"actor.{name}.group_size must be >= 1 or null, got {self.group_size}")
+        _check(not (self.mean_leave1out and self.mean_level == "none"),
+               f"actor.{name}.mean_leave1out=true has no mean to leave out with "
+               f"mean_level=none; set mean_level to group or batch")
+        _check(not (self.mean_leave1out and self.mean_level == "group" and self.group_size == 1),
+               f"actor.{name}.mean_leave1out=true needs groups of at least 2 samples, but "
+               f"group_size=1; raise gconfig.n_samples or set mean_leave1out=false")
 
 
 @dataclass(kw_only=True)
@@ -179,6 +194,13 @@ class ActorConfig:
     eps_clip_higher: Optional[float] = None  # None: eps_clip (symmetric)
     reward_scaling: float = 1.0  # r <- (r + reward_bias) * reward_scaling
     reward_bias: float = 0.0
+    reward_clip: Optional[float] = None  # clip the shaped reward to [-c, c]; None: no clip
+    # DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_tokens
+    # loses overlong_penalty_factor * (excess / overlong_tokens) of reward (before shaping).
+    overlong_reward_penalty: bool = False
+    overlong_tokens: Optional[int] = None  # the penalty window; needed when the penalty is on
+    overlong_penalty_factor: float = 1.0
+    max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens (filled when loaded)
     reward_norm: Optional[NormConfig] = field(default_factory=NormConfig)
     adv_norm: Optional[NormConfig] = None
     ppo_n_minibatches: int = 1  # optimiser steps per training batch
@@ -186,6 +208,15 @@ class ActorConfig:
     use_decoupled_loss: bool = True
     recompute_logprob: bool = True  # the trainer recomputes proximal log-probs
     behav_imp_weight_cap: Optional[float] = 5.0  # tokens above the cap are masked out
+    # Dual-clip PPO: for A < 0 the token loss is at most -A * c_clip. None: off.
+    c_clip: Optional[float] = None
+    # token-mean: sum over all loss tokens / their count. seq-mean-token-mean: each sequence's
+    # mean over its loss tokens, averaged over sequences. seq-mean-token-sum: each sequence's
+    # sum over its loss tokens, averaged over sequences.
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    # token: one ratio per token. sequence (GSPO): exp(mean log-ratio over the sequence's loss
+    # tokens), shared by all its tokens and clipped as one.
+    importance_sampling_level: Literal["token", "sequence"] = "token"
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
@@ -194,6 +225,33 @@ class ActorConfig:
         _check(not (self.use_decoupled_loss and not self.recompute_logprob),
                "actor.use_decoupled_loss=true needs actor.recompute_logprob=true (the proximal "
                "log-probs are the trainer's recomputation); set one of them accordingly")
+        self._check_algorithm_keys()
+
+    def _check_algorithm_keys(self) -> None:
+        _check(self.c_clip is None or self.c_clip > 1,
+               f"actor.c_clip must be > 1 or null (dual clip off), got {self.c_clip}")
+        _check(self.reward_clip is None or self.reward_clip > 0,
+               f"actor.reward_clip must be > 0 or null (no clip), got {self.reward_clip}")
+        modes = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+        _check(self.loss_agg_mode in modes,
+               f"actor.loss_agg_mode must be one of {modes}, got {self.loss_agg_mode!r}")
+        _check(self.importance_sampling_level in ("token", "sequence"),
+               "actor.importance_sampling_level must be one of ('token', 'sequence'), got "
+               f"{self.importance_sampling_level!r}")
+        _check(self.overlong_penalty_factor >= 0,
+               f"actor.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
+        _check(self.max_new_tokens is None or self.max_new_tokens >= 1,
+               f"actor.max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
+        if self.overlong_reward_penalty:
+            _check(self.overlong_tokens is not None and self.overlong_tokens >= 1,
+                   "actor.overlong_reward_penalty=true needs actor.overlong_tokens >= 1 (the "
+                   f"penalty window), got {self.overlong_tokens}")
+            _check(self.max_new_tokens is None or self.overlong_tokens <= self.max_new_tokens,
+                   f"actor.overlong_tokens={self.overlong_tokens} exceeds the generation budget "
+                   f"actor.max_new_tokens={self.max_new_tokens}; lower it")
+        for name, norm in (("reward_norm", self.reward_norm), ("adv_norm", self.adv_norm)):
+            if norm is not None:
+                norm.check(name)
 
 
 @dataclass(kw_only=True)
@@ -308,6 +366,20 @@ class ExperimentConfig:
                 _check(norm.group_size == self.gconfig.n_samples,
                        f"actor.{name}.group_size={norm.group_size} but gconfig.n_samples="
                        f"{self.gconfig.n_samples}; set actor.{name}.group_size=${{gconfig.n_samples}}")
+            norm.check(name)  # again, now that group_size is known
+        self._resolve_max_new_tokens()
+
+    def _resolve_max_new_tokens(self) -> None:
+        """actor.max_new_tokens (the overlong penalty's budget) is gconfig.max_new_tokens."""
+        budget = self.gconfig.max_new_tokens
+        _check(self.actor.max_new_tokens in (None, budget),
+               f"actor.max_new_tokens={self.actor.max_new_tokens} but gconfig.max_new_tokens="
+               f"{budget}; drop actor.max_new_tokens (it is filled from gconfig)")
+        self.actor.max_new_tokens = budget
+        actor = self.actor
+        _check(not actor.overlong_reward_penalty or actor.overlong_tokens <= budget,
+               f"actor.overlong_tokens={actor.overlong_tokens} exceeds gconfig.max_new_tokens="
+               f"{budget}; lower actor.overlong_tokens")
 
     def _resolve_allocation(self) -> None:
         """allocation_mode, when given, decides rollout.backend and n_servers; they must agree."""
