@@ -64,6 +64,7 @@ def _serve_backend(args: argparse.Namespace) -> int:
     log-probs, weight versions); the backend's own port stays on 127.0.0.1.
     """
     import asyncio
+    import importlib.util
     import os
     import tempfile
 
@@ -72,6 +73,11 @@ def _serve_backend(args: argparse.Namespace) -> int:
     from asyncrl.models.hub import resolve_model_path
     from asyncrl.scheduler.local import LocalScheduler
 
+    module = {"vllm": "vllm", "sglang": "sglang"}[args.backend]
+    if importlib.util.find_spec(module) is None:
+        hint = "pip install 'asyncrl[vllm]'" if module == "vllm" else "pip install sglang"
+        raise SystemExit(f"asyncrl serve: --backend {args.backend} needs the {module} package "
+                         f"({hint})")
     path = resolve_model_path(args.model)
     cores = len(os.sched_getaffinity(0))
     sched_cfg = SchedulerConfig(inference_threads=args.threads or cores, trainer_threads=0,
@@ -122,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from asyncrl.config import ConfigError
+    from asyncrl.scheduler.local import SchedulerError
 
     # SIGTERM unwinds like Ctrl-C, so the scheduler stops every server on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2
+    except SchedulerError as err:  # a server that would not start: its log tail says why
+        print(f"asyncrl: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("asyncrl: interrupted; servers stopped", file=sys.stderr)
         return 130

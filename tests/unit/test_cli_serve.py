@@ -34,3 +34,14 @@ def test_gateway_needs_a_tokenizer_for_backends_that_do_not_report_their_model(m
     with pytest.raises(SystemExit, match="--tokenizer is needed with --backend vllm"):
         asyncio.run(gateway.serve("vllm", "127.0.0.1:1", tokenizer=None, model_name=None,
                                   host="127.0.0.1", port=0))
+
+
+def test_serve_names_the_missing_backend_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang" else real(name, *a))
+    args = build_parser().parse_args(["serve", "--model", "m", "--backend", "sglang"])
+    with pytest.raises(SystemExit, match=r"needs the sglang package \(pip install sglang\)"):
+        args.func(args)
