@@ -148,3 +148,13 @@ def test_reference_engine_follows_the_ref_section():
     assert ref is not None and ref.model is None  # built, not loaded
     assert (ref.cfg.path, ref.cfg.dtype, ref.cfg.mb_spec.max_tokens_per_mb) == ("/m/ref", "float32", 512)
     assert ref.cfg.temperature == 0.7
+
+
+def test_the_documented_reinforce_plus_plus_settings_load(tmp_path):
+    path = tmp_path / "rpp.yaml"
+    path.write_text("gconfig: {n_samples: 1}\ntrain_dataset: {path: x.jsonl}\n"
+                    "actor: {kl_ctl: 0.01, kl_estimator: k1, use_kl_loss: false, reward_norm: null,"
+                    " adv_norm: {mean_level: batch, std_level: batch}}\n")
+    cfg = load_config(path)
+    assert cfg.actor.reward_norm is None and cfg.actor.adv_norm.mean_level == "batch"
+    assert cfg.actor.kl_ctl == 0.01 and not cfg.actor.use_kl_loss
