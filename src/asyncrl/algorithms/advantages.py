@@ -130,7 +130,7 @@ def _overlong_penalty_of(lengths: torch.Tensor, cfg: ActorConfig) -> torch.Tenso
                             overlong_tokens=cfg.overlong_tokens, factor=cfg.overlong_penalty_factor)
 
 
-def _kl_logprobs(batch: TensorBatch) -> torch.Tensor:
+def in_reward_kl_logprobs(batch: TensorBatch) -> torch.Tensor:
     """The policy side of the in-reward KL: proximal log-probs if recomputed, else behaviour.
 
     The sampled tokens came from the behaviour policy; the trainer's recomputation, when
@@ -154,7 +154,8 @@ def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
     rewards = shape_rewards(rewards, scaling=cfg.reward_scaling, bias=cfg.reward_bias,
                             clip=cfg.reward_clip)
     if cfg.kl_ctl > 0 and not cfg.use_kl_loss:
-        rewards = rewards - cfg.kl_ctl * sequence_kl(batch, _kl_logprobs(batch), cfg.kl_estimator)
+        kl = sequence_kl(batch, in_reward_kl_logprobs(batch), cfg.kl_estimator)
+        rewards = rewards - cfg.kl_ctl * kl
     if cfg.reward_norm is not None:
         rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm")
     advantages = rewards[:, None] * mask

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn, mean_token_kl
+from asyncrl.algorithms.advantages import in_reward_kl_logprobs
 from asyncrl.api import Batch, TensorBatch
 from asyncrl.config import ActorConfig, ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
@@ -157,8 +158,7 @@ class RLTrainer:
             stats = self.actor.train_batch(minibatch, self.loss_fn)
         if self.ref is not None and not actor.use_kl_loss:
             # The in-reward KL is not in the loss: report the one the advantages used.
-            policy = tb.prox_logprobs if tb.prox_logprobs is not None else tb.behavior_logprobs
-            stats["kl_ref"] = mean_token_kl(tb, policy, actor.kl_estimator)
+            stats["kl_ref"] = mean_token_kl(tb, in_reward_kl_logprobs(tb), actor.kl_estimator)
         return {f"train/{k}": v for k, v in stats.items()}
 
     def _periodic(self, step: int) -> None:
