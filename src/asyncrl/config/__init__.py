@@ -17,6 +17,7 @@ from asyncrl.config.schema import (
 
 __all__ = [
     "ActorConfig", "ConfigError", "DatasetConfig", "ExperimentConfig", "GenerationConfig",
-    "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig", "RolloutConfig",
+    "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig",
+    "RolloutConfig",
     "WorkflowConfig", "load_config", "to_yaml",
 ]

@@ -261,7 +261,8 @@ class ActorConfig:
         for name, norm in (("reward_norm", self.reward_norm), ("adv_norm", self.adv_norm)):
             if norm is not None:
                 norm.check(name)
-        _check(self.kl_ctl >= 0, f"actor.kl_ctl must be >= 0 (0 turns the KL off), got {self.kl_ctl}")
+        _check(self.kl_ctl >= 0,
+               f"actor.kl_ctl must be >= 0 (0 turns the KL off), got {self.kl_ctl}")
         _check(self.kl_estimator in ("k1", "k2", "k3"),
                f"actor.kl_estimator must be one of ('k1', 'k2', 'k3'), got {self.kl_estimator!r}")
 
