@@ -6,7 +6,8 @@ from asyncrl.algorithms.advantages import (
     overlong_penalty,
     shape_rewards,
 )
-from asyncrl.algorithms.ppo import make_ppo_loss_fn, ppo_loss
+from asyncrl.algorithms.kl import kl_estimate, mean_token_kl, sequence_kl
+from asyncrl.algorithms.ppo import kl_loss, make_ppo_loss_fn, ppo_loss
 
-__all__ = ["compute_advantages", "make_ppo_loss_fn", "normalize", "overlong_penalty", "ppo_loss",
-           "shape_rewards"]
+__all__ = ["compute_advantages", "kl_estimate", "kl_loss", "make_ppo_loss_fn", "mean_token_kl",
+           "normalize", "overlong_penalty", "ppo_loss", "sequence_kl", "shape_rewards"]

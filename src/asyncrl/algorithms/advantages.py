@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algorithms.kl import sequence_kl
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, NormConfig
 
@@ -129,12 +130,22 @@ def _overlong_penalty_of(lengths: torch.Tensor, cfg: ActorConfig) -> torch.Tenso
                             overlong_tokens=cfg.overlong_tokens, factor=cfg.overlong_penalty_factor)
 
 
+def in_reward_kl_logprobs(batch: TensorBatch) -> torch.Tensor:
+    """The policy side of the in-reward KL: proximal log-probs if recomputed, else behaviour.
+
+    The sampled tokens came from the behaviour policy; the trainer's recomputation, when
+    there is one before the advantages, is the same policy without inference-engine noise.
+    """
+    return batch.prox_logprobs if batch.prox_logprobs is not None else batch.behavior_logprobs
+
+
 def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
     """GRPO advantages [B, T]: shaped, normalised rewards on every loss token, 0 elsewhere.
 
     Steps: optional overlong penalty on the raw reward -> (r + reward_bias) * reward_scaling
-    -> optional clip to [-reward_clip, reward_clip] -> `reward_norm` over rows -> broadcast
-    to the loss tokens -> optional `adv_norm` over the loss tokens.
+    -> optional clip to [-reward_clip, reward_clip] -> in-reward KL (kl_ctl > 0 and not
+    use_kl_loss): minus kl_ctl * the sequence's summed token KL -> `reward_norm` over rows ->
+    broadcast to the loss tokens -> optional `adv_norm` over the loss tokens.
     """
     mask = (batch.loss_mask > 0).float()
     rewards = batch.rewards.float()
@@ -142,6 +153,9 @@ def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
         rewards = rewards + _overlong_penalty_of(mask.sum(-1), cfg)
     rewards = shape_rewards(rewards, scaling=cfg.reward_scaling, bias=cfg.reward_bias,
                             clip=cfg.reward_clip)
+    if cfg.kl_ctl > 0 and not cfg.use_kl_loss:
+        kl = sequence_kl(batch, in_reward_kl_logprobs(batch), cfg.kl_estimator)
+        rewards = rewards - cfg.kl_ctl * kl
     if cfg.reward_norm is not None:
         rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm")
     advantages = rewards[:, None] * mask

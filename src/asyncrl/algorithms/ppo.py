@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algorithms.kl import kl_estimate
 from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig
@@ -118,6 +119,16 @@ def ppo_loss(logprobs: torch.Tensor, *, prox_logprobs: torch.Tensor,
     return loss, stats
 
 
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+            kl_ctl: float, estimator: str, loss_agg_mode: str, n_tokens: int,
+            n_seqs: int | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """kl_ctl * agg(kl_t) over the loss tokens, and `kl_ref` (the token-mean KL estimate)."""
+    mask = loss_mask > 0
+    kl = kl_estimate(logprobs, ref_logprobs, estimator)
+    loss = kl_ctl * aggregate(kl, mask, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs)
+    return loss, {"kl_ref": float((kl.detach() * mask).sum()) / max(n_tokens, 1)}
+
+
 def make_ppo_loss_fn(cfg: ActorConfig, *, prox_is_current: bool = False) -> LossFn:
     """The actor's PPO loss over a micro-batch (reads advantages, prox log-probs if decoupled).
 
@@ -139,11 +150,20 @@ def make_ppo_loss_fn(cfg: ActorConfig, *, prox_is_current: bool = False) -> Loss
             prox, cap = mb.prox_logprobs, cfg.behav_imp_weight_cap
         else:
             prox, cap = mb.behavior_logprobs, None
-        return ppo_loss(logprobs, prox_logprobs=prox, behavior_logprobs=mb.behavior_logprobs,
+        loss, stats = ppo_loss(logprobs, prox_logprobs=prox, behavior_logprobs=mb.behavior_logprobs,
                         advantages=mb.advantages, loss_mask=mb.loss_mask, eps_clip=cfg.eps_clip,
                         eps_clip_higher=cfg.eps_clip_higher, imp_weight_cap=cap,
                         c_clip=cfg.c_clip, loss_agg_mode=cfg.loss_agg_mode,
                         importance_sampling_level=cfg.importance_sampling_level,
                         n_tokens=n_tokens, n_seqs=n_seqs)
+        if cfg.kl_ctl > 0 and cfg.use_kl_loss:
+            if mb.ref_logprobs is None:
+                raise ValueError("batch.ref_logprobs is None but actor.use_kl_loss=true: set it "
+                                 "from the reference engine's compute_logprobs(batch)")
+            kl, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mb.loss_mask, kl_ctl=cfg.kl_ctl,
+                                   estimator=cfg.kl_estimator, loss_agg_mode=cfg.loss_agg_mode,
+                                   n_tokens=n_tokens, n_seqs=n_seqs)
+            loss, stats = loss + kl, stats | kl_stats
+        return loss, stats
 
     return loss_fn

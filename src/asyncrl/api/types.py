@@ -183,6 +183,7 @@ class TensorBatch:
     rewards: torch.Tensor  # [B] float32
     advantages: torch.Tensor | None = None  # [B, T] float32, set by the algorithm
     prox_logprobs: torch.Tensor | None = None  # [B, T] float32, set by the trainer
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float32, the reference model's (KL)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

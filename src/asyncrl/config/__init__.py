@@ -10,12 +10,14 @@ from asyncrl.config.schema import (
     MicroBatchSpec,
     NormConfig,
     OptimizerConfig,
+    RefConfig,
     RolloutConfig,
     WorkflowConfig,
 )
 
 __all__ = [
     "ActorConfig", "ConfigError", "DatasetConfig", "ExperimentConfig", "GenerationConfig",
-    "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RolloutConfig",
+    "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig",
+    "RolloutConfig",
     "WorkflowConfig", "load_config", "to_yaml",
 ]

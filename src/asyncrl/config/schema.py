@@ -217,6 +217,15 @@ class ActorConfig:
     # token: one ratio per token. sequence (GSPO): exp(mean log-ratio over the sequence's loss
     # tokens), shared by all its tokens and clipped as one.
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    # KL to the reference model (`ref`). 0: off, and no reference model is loaded.
+    kl_ctl: float = 0.0
+    # Per-token estimator of KL(policy || ref) from d = logp - ref_logp: k1 = d,
+    # k2 = d^2 / 2, k3 = exp(-d) - 1 + d (Schulman's unbiased, non-negative estimator).
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    # false: KL as a reward penalty, r <- r - kl_ctl * sum of kl_t over the completion,
+    # before normalisation (AReaL/verl in-reward KL). true: + kl_ctl * agg(kl_t) in the loss
+    # (GRPO, verl use_kl_loss), with gradient through the policy log-probs.
+    use_kl_loss: bool = False
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
@@ -252,6 +261,19 @@ class ActorConfig:
         for name, norm in (("reward_norm", self.reward_norm), ("adv_norm", self.adv_norm)):
             if norm is not None:
                 norm.check(name)
+        _check(self.kl_ctl >= 0,
+               f"actor.kl_ctl must be >= 0 (0 turns the KL off), got {self.kl_ctl}")
+        _check(self.kl_estimator in ("k1", "k2", "k3"),
+               f"actor.kl_estimator must be one of ('k1', 'k2', 'k3'), got {self.kl_estimator!r}")
+
+
+@dataclass(kw_only=True)
+class RefConfig:
+    """The frozen reference model of the KL term (loaded only when actor.kl_ctl > 0)."""
+
+    path: str = "${actor.path}"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype of its forward
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
 
 
 @dataclass(kw_only=True)
@@ -339,6 +361,7 @@ class ExperimentConfig:
     local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)  # used only when actor.kl_ctl > 0
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: Optional[DatasetConfig] = None

@@ -13,9 +13,10 @@ import os
 import time
 from typing import Any
 
-from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn
+from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn, mean_token_kl
+from asyncrl.algorithms.advantages import in_reward_kl_logprobs
 from asyncrl.api import Batch, TensorBatch
-from asyncrl.config import ExperimentConfig, to_yaml
+from asyncrl.config import ActorConfig, ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
 from asyncrl.models.hub import resolve_model_path
@@ -98,6 +99,9 @@ class RLTrainer:
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
         self.actor = FSDPTrainEngine(cfg.actor, total_steps=self.total_steps, seed=cfg.seed)
         self.actor.initialize()
+        self.ref = make_ref_engine(cfg)
+        if self.ref is not None:
+            self.ref.initialize()
         # One optimiser step per batch: the proximal log-probs come from the training forward.
         self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.ppo_n_minibatches == 1
         self.loss_fn = make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss)
@@ -145,10 +149,16 @@ class RLTrainer:
         tb = batch.to_tensors(self.tokenizer.pad_token_id or 0)
         if self.cfg.actor.recompute_logprob and not self.prox_in_loss:
             tb.prox_logprobs = self.actor.compute_logprobs(tb)
-        tb.advantages = compute_advantages(tb, self.cfg.actor)
+        actor = self.cfg.actor
+        if self.ref is not None:
+            tb.ref_logprobs = self.ref.compute_logprobs(tb)
+        tb.advantages = compute_advantages(tb, actor)
         stats: dict[str, float] = {}
-        for minibatch in _split(tb, self.cfg.actor.ppo_n_minibatches):
+        for minibatch in _split(tb, actor.ppo_n_minibatches):
             stats = self.actor.train_batch(minibatch, self.loss_fn)
+        if self.ref is not None and not actor.use_kl_loss:
+            # The in-reward KL is not in the loss: report the one the advantages used.
+            stats["kl_ref"] = mean_token_kl(tb, in_reward_kl_logprobs(tb), actor.kl_estimator)
         return {f"train/{k}": v for k, v in stats.items()}
 
     def _periodic(self, step: int) -> None:
@@ -193,7 +203,24 @@ class RLTrainer:
         self.rollout.stop()
         self.workflow.reward.close()
         self.stats.close()
+        if self.ref is not None:
+            self.ref.destroy()  # before the actor, which owns the process group
         self.actor.destroy()
+
+
+def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+    """The frozen reference model of the KL term (not initialised); None when kl_ctl is 0.
+
+    It is an engine that is never stepped: AdamW allocates its state on the first step,
+    so its unused optimiser costs no memory. It shares the actor's temperature (log-probs
+    of the same distribution) and init_from_scratch (with the same seed: the same weights).
+    """
+    if cfg.actor.kl_ctl == 0:
+        return None
+    ref_cfg = ActorConfig(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
+                          temperature=cfg.actor.temperature,
+                          init_from_scratch=cfg.actor.init_from_scratch)
+    return FSDPTrainEngine(ref_cfg, total_steps=1, seed=cfg.seed)
 
 
 def _split(tb: TensorBatch, n: int) -> list[TensorBatch]:

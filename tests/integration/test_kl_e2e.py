@@ -1,0 +1,51 @@
+"""KL to a reference model end to end: 2 async steps on a tiny model, in-reward and as a loss."""
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.models.tiny import make_tiny_model
+from asyncrl.observe import read_stats
+from asyncrl.trainers.rl import train
+
+pytestmark = pytest.mark.integration
+
+
+def _config(tmp_path, model, use_kl_loss):
+    return load_config(None, [
+        "experiment_name=kl", f"trial_name=loss{use_kl_loss}",
+        f"cluster.fileroot={tmp_path / 'runs'}",
+        f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+        "ref.dtype=float32", "actor.kl_ctl=0.1", "actor.kl_estimator=k3",
+        f"actor.use_kl_loss={str(use_kl_loss).lower()}",
+        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
+        "local_engine.max_seq_len=256",
+        "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
+        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
+        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
+        "rollout.max_head_offpolicyness=1", "total_train_steps=2",
+        "workflow.reward_fn=toy_rewards:text_hash", "stats_logger.progress_bar=false",
+        "stats_logger.plot=false", "evaluator.before_training=false",
+        "evaluator.after_training=false",
+        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
+    ])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
+
+
+@pytest.mark.parametrize("use_kl_loss", [False, True], ids=["in_reward", "kl_loss"])
+def test_kl_to_the_reference_is_zero_before_the_first_update(tmp_path, tiny_model, use_kl_loss):
+    summary = train(_config(tmp_path, tiny_model, use_kl_loss))
+    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    # Step 1 trains on samples of the initial policy, which is the reference. In-reward, the
+    # KL reads the inference engine's behaviour log-probs: equal up to float noise.
+    assert rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-4)
+    assert rows[1]["train/kl_ref"] >= 0.0  # k3 is non-negative
+    if use_kl_loss:  # the loss reads the updated policy: one lr-1e-3 step moved it (~0.09)
+        assert rows[1]["train/kl_ref"] > 1e-3
+    assert all(r["train/grad_norm"] > 0 for r in rows)
