@@ -46,6 +46,16 @@ def vllm_server(tmp_path_factory):
             asyncio.run(client.close())
 
 
+def _generated_tokens(address: str) -> float:
+    """vLLM's count of generated tokens so far, from its Prometheus /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def _generate(client, prompt, **sampling):
     req = GenerationRequest(input_ids=prompt, sampling=SamplingParams(**sampling))
     return asyncio.run(client.agenerate(req))
@@ -82,12 +92,17 @@ def test_generation_spans_a_weight_update_mid_flight(vllm_server):
         result["r"] = _generate(client, PROMPT, temperature=1.0, max_new_tokens=700,
                                 ignore_eos=True)
 
+    before = _generated_tokens(client.addresses[0])
     t = threading.Thread(target=long_generation)
     t.start()
-    time.sleep(2.0)  # well into decoding (a warm server makes ~100 tokens/s here)
+    # Update once decoding is well under way, however loaded the machine is.
+    deadline = time.monotonic() + 120
+    while _generated_tokens(client.addresses[0]) < before + 50 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert "r" not in result, "the generation finished before the update: make it longer"
     asyncio.run(client.update_weights_from_disk(models[2], 2))
-    t.join(120)
+    t.join(600)
+    assert not t.is_alive(), "the generation did not finish within 600 s of the update"
     r = result["r"]
     n_old = Counter(r.output_versions)[1]
     assert len(r.output_ids) == 700 and r.stop_reason.value == "length"
