@@ -69,9 +69,9 @@ def _serve_backend(args: argparse.Namespace) -> int:
     import tempfile
 
     from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
-    from asyncrl.inference import gateway
     from asyncrl.models.hub import resolve_model_path
     from asyncrl.scheduler.local import LocalScheduler
+    from asyncrl.services import gateway
 
     module = {"vllm": "vllm", "sglang": "sglang"}[args.backend]
     if importlib.util.find_spec(module) is None:

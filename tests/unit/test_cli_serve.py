@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.cli import build_parser
-from asyncrl.inference import gateway
 from asyncrl.inference.client import RemoteInferenceEngine
 from asyncrl.inference.sglang import SGLangInferenceEngine
 from asyncrl.inference.vllm import VLLMInferenceEngine
+from asyncrl.services import gateway
 
 
 def test_serve_defaults_to_the_local_backend_on_loopback():

@@ -18,8 +18,6 @@ from asyncrl.api.types import GenerationRequest, StopReason
 from asyncrl.inference.base import InferenceServerError
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
-_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
-
 
 class SGLangInferenceEngine(ResubmittingEngine):
     """Routes generations to SGLang servers; a weight update aborts, reloads and resubmits."""
@@ -91,7 +89,7 @@ def parse_generate(body: dict[str, Any], address: str) -> Piece:
     try:
         meta = body["meta_info"]
         triples = meta.get("output_token_logprobs") or []
-        finish = _FINISH[meta["finish_reason"]["type"]]
+        finish = StopReason(meta["finish_reason"]["type"])  # stop | length | abort
         ids = [int(t[1]) for t in triples]
         lps = [float(t[0]) for t in triples]
     except (KeyError, IndexError, TypeError, ValueError) as e:

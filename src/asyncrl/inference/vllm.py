@@ -21,8 +21,6 @@ from asyncrl.api.types import GenerationRequest, StopReason
 from asyncrl.inference.base import InferenceServerError
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
-_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
-
 
 class VLLMInferenceEngine(ResubmittingEngine):
     """Routes generations to vLLM servers; a weight update aborts, reloads and resubmits."""
@@ -86,8 +84,8 @@ def parse_completion(body: dict[str, Any], address: str) -> Piece:
         choice = body["choices"][0]
         ids = [int(t) for t in choice.get("token_ids") or []]
         lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        finish = _FINISH[choice["finish_reason"]]
-    except (KeyError, IndexError, TypeError) as e:
+        finish = StopReason(choice["finish_reason"])  # stop | length | abort
+    except (KeyError, IndexError, TypeError, ValueError) as e:
         raise InferenceServerError(f"{address}/v1/completions: unexpected answer "
                                    f"({type(e).__name__}: {e}): {str(body)[:300]}") from e
     if len(lps) != len(ids):

@@ -21,8 +21,6 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 
@@ -73,7 +71,3 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.warning("C kernel %r unavailable, using the torch path: %s", name, detail)
         return None
 
-
-def ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    """The data pointer of a tensor, for a ctypes call."""
-    return ctypes.c_void_p(t.data_ptr())

@@ -1,6 +1,6 @@
 """OpenAI-compatible gateway in front of any inference server we have a client for.
 
-    python -m asyncrl.inference.gateway --backend-url http://127.0.0.1:8000 --port 9000
+    python -m asyncrl.services.gateway --backend-url http://127.0.0.1:8000 --port 9000
 
 It tokenizes here (chat template, tool prompts), asks the backend for token ids through
 an `InferenceEngine` client, and answers in OpenAI's shapes with our extension fields
@@ -73,8 +73,8 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line of `python -m asyncrl.inference.gateway`."""
-    p = argparse.ArgumentParser(prog="python -m asyncrl.inference.gateway",
+    """The command line of `python -m asyncrl.services.gateway`."""
+    p = argparse.ArgumentParser(prog="python -m asyncrl.services.gateway",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--backend-url", required=True, help="the inference server, http://HOST:PORT")
     p.add_argument("--backend", default="local", choices=BACKENDS)

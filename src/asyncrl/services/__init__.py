@@ -1,0 +1,1 @@
+"""HTTP services built on the other packages: the OpenAI-compatible gateway (gateway.py)."""
