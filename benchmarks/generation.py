@@ -29,6 +29,7 @@ import torch
 from asyncrl.inference.bench import prompts
 from asyncrl.inference.launch import server_command
 from asyncrl.models.hub import resolve_model_path
+from asyncrl.scheduler.local import free_port
 
 
 class Server:
@@ -64,14 +65,6 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ours_server(path: str, port: int, args, log: str) -> tuple[Server, Callable]:
