@@ -303,14 +303,15 @@ def test_dual_clip_caps_only_negative_advantages_beyond_c_clip():
     assert loss_of(logp, **kwargs)[0] == pytest.approx(5.8 / 3)
 
 
-def agg_loss(mode, rows=(0, 1)):
+def agg_loss(mode, rows=(0, 1), norm_len=None):
     # Ratio 1 and weight 1, so each token's loss is -A. Loss tokens: sequence 0 has A = 1, 2, 3
     # (one padding token), sequence 1 has A = 6 (three padding tokens).
     adv = torch.tensor([[1.0, 2.0, 3.0, 9.0], [6.0, 9.0, 9.0, 9.0]])[list(rows)]
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])[list(rows)]
     loss, _ = ppo_loss(torch.zeros_like(adv), prox_logprobs=torch.zeros_like(adv),
                        behavior_logprobs=torch.zeros_like(adv), advantages=adv, loss_mask=mask,
-                       eps_clip=0.2, loss_agg_mode=mode, n_tokens=4, n_seqs=2)
+                       eps_clip=0.2, loss_agg_mode=mode, n_tokens=4, n_seqs=2,
+                       norm_len=norm_len)
     return loss.item()
 
 
@@ -321,12 +322,20 @@ def test_loss_aggregation_modes_on_sequences_of_different_lengths():
     assert agg_loss("token-mean") == pytest.approx(-3.0)
     assert agg_loss("seq-mean-token-mean") == pytest.approx(-4.0)
     assert agg_loss("seq-mean-token-sum") == pytest.approx(-6.0)
+    # seq-mean-token-sum-norm (Dr.GRPO), budget 8: mean(-6 / 8, -6 / 8) = -0.75.
+    assert agg_loss("seq-mean-token-sum-norm", norm_len=8) == pytest.approx(-0.75)
+
+
+def test_drgrpo_aggregation_needs_the_generation_budget():
+    with pytest.raises(ValueError, match="needs norm_len"):
+        agg_loss("seq-mean-token-sum-norm")
 
 
 def test_sequence_aggregation_adds_up_over_micro_batches():
     # Each row alone, divided by the batch's 2 sequences: -2 / 2 + -6 / 2 = -4.
-    for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        assert agg_loss(mode, rows=[0]) + agg_loss(mode, rows=[1]) == pytest.approx(agg_loss(mode))
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        parts = agg_loss(mode, rows=[0], norm_len=8) + agg_loss(mode, rows=[1], norm_len=8)
+        assert parts == pytest.approx(agg_loss(mode, norm_len=8))
 
 
 def test_unknown_aggregation_mode_names_the_key():

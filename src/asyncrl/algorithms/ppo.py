@@ -20,7 +20,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 IS_LEVELS = ("token", "sequence")
 
 
@@ -37,12 +37,14 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: int,
-              n_seqs: int | None) -> torch.Tensor:
+              n_seqs: int | None, norm_len: int | None = None) -> torch.Tensor:
     """Reduce masked token losses to a scalar, as a micro-batch's share of the batch loss.
 
     token-mean: sum / n_tokens. seq-mean-token-mean: sum over sequences of (sum over its loss
-    tokens / its loss-token count), / n_seqs. seq-mean-token-sum: sum / n_seqs. `n_tokens`
-    and `n_seqs` are the whole batch's, so micro-batch shares add up to the batch loss.
+    tokens / its loss-token count), / n_seqs. seq-mean-token-sum: sum / n_seqs.
+    seq-mean-token-sum-norm (Dr.GRPO): sum / (n_seqs * norm_len), a constant length (the
+    generation budget) in place of each sequence's own. `n_tokens` and `n_seqs` are the whole
+    batch's, so micro-batch shares add up to the batch loss.
     """
     masked = token_loss * mask
     if mode == "token-mean":
@@ -54,6 +56,10 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *, n_toke
     per_seq = _rows(masked).sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / _rows(mask).sum(-1).clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        if not norm_len:
+            raise ValueError(f"loss_agg_mode={mode!r} needs norm_len (actor.max_new_tokens)")
+        per_seq = per_seq / norm_len
     return per_seq.sum() / max(n_seqs, 1)
 
 
@@ -80,7 +86,7 @@ def ppo_loss(logprobs: torch.Tensor, *, prox_logprobs: torch.Tensor,
              eps_clip: float, eps_clip_higher: float | None = None,
              imp_weight_cap: float | None = None, c_clip: float | None = None,
              loss_agg_mode: str = "token-mean", importance_sampling_level: str = "token",
-             n_tokens: int, n_seqs: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             n_tokens: int, n_seqs: int | None = None, norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """agg(max(-A r, -A clip(r)) * w * mask), r = p/prox (per token or sequence), w = prox/behav."""
     mask = loss_mask > 0
     denom = max(n_tokens, 1)  # a batch without loss tokens has loss 0, not NaN
@@ -98,7 +104,8 @@ def ppo_loss(logprobs: torch.Tensor, *, prox_logprobs: torch.Tensor,
     weight = torch.exp(log_w)
     capped = torch.zeros_like(mask) if imp_weight_cap is None else mask & (weight > imp_weight_cap)
     kept = mask & ~capped
-    loss = aggregate(pg * weight, kept, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs)
+    loss = aggregate(pg * weight, kept, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs,
+                     norm_len=norm_len)
 
     with torch.no_grad():
         # k3 estimators (Schulman): exp(d) - 1 - d is non-negative with low variance.
@@ -121,11 +128,12 @@ def ppo_loss(logprobs: torch.Tensor, *, prox_logprobs: torch.Tensor,
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
             kl_ctl: float, estimator: str, loss_agg_mode: str, n_tokens: int,
-            n_seqs: int | None) -> tuple[torch.Tensor, dict[str, float]]:
+            n_seqs: int | None, norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """kl_ctl * agg(kl_t) over the loss tokens, and `kl_ref` (the token-mean KL estimate)."""
     mask = loss_mask > 0
     kl = kl_estimate(logprobs, ref_logprobs, estimator)
-    loss = kl_ctl * aggregate(kl, mask, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs)
+    loss = kl_ctl * aggregate(kl, mask, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs,
+                              norm_len=norm_len)
     return loss, {"kl_ref": float((kl.detach() * mask).sum()) / max(n_tokens, 1)}
 
 
@@ -155,14 +163,14 @@ def make_ppo_loss_fn(cfg: ActorConfig, *, prox_is_current: bool = False) -> Loss
                         eps_clip_higher=cfg.eps_clip_higher, imp_weight_cap=cap,
                         c_clip=cfg.c_clip, loss_agg_mode=cfg.loss_agg_mode,
                         importance_sampling_level=cfg.importance_sampling_level,
-                        n_tokens=n_tokens, n_seqs=n_seqs)
+                        n_tokens=n_tokens, n_seqs=n_seqs, norm_len=cfg.max_new_tokens)
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             if mb.ref_logprobs is None:
                 raise ValueError("batch.ref_logprobs is None but actor.use_kl_loss=true: set it "
                                  "from the reference engine's compute_logprobs(batch)")
             kl, kl_stats = kl_loss(logprobs, mb.ref_logprobs, mb.loss_mask, kl_ctl=cfg.kl_ctl,
                                    estimator=cfg.kl_estimator, loss_agg_mode=cfg.loss_agg_mode,
-                                   n_tokens=n_tokens, n_seqs=n_seqs)
+                                   n_tokens=n_tokens, n_seqs=n_seqs, norm_len=cfg.max_new_tokens)
             loss, stats = loss + kl, stats | kl_stats
         return loss, stats
 

@@ -212,8 +212,10 @@ class ActorConfig:
     c_clip: Optional[float] = None
     # token-mean: sum over all loss tokens / their count. seq-mean-token-mean: each sequence's
     # mean over its loss tokens, averaged over sequences. seq-mean-token-sum: each sequence's
-    # sum over its loss tokens, averaged over sequences.
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    # sum over its loss tokens, averaged over sequences. seq-mean-token-sum-norm (Dr.GRPO): that
+    # sum divided by the generation budget (max_new_tokens) instead of the sequence's length.
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] = "token-mean"
     # token: one ratio per token. sequence (GSPO): exp(mean log-ratio over the sequence's loss
     # tokens), shared by all its tokens and clipped as one.
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -241,7 +243,8 @@ class ActorConfig:
                f"actor.c_clip must be > 1 or null (dual clip off), got {self.c_clip}")
         _check(self.reward_clip is None or self.reward_clip > 0,
                f"actor.reward_clip must be > 0 or null (no clip), got {self.reward_clip}")
-        modes = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+        modes = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                 "seq-mean-token-sum-norm")
         _check(self.loss_agg_mode in modes,
                f"actor.loss_agg_mode must be one of {modes}, got {self.loss_agg_mode!r}")
         _check(self.importance_sampling_level in ("token", "sequence"),
