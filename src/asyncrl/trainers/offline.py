@@ -25,6 +25,7 @@ import torch.distributed as dist
 from asyncrl.api.protocols import LossFn
 from asyncrl.config import to_yaml
 from asyncrl.config.offline import OfflineConfig
+from asyncrl.config.schema import StatsLoggerConfig
 from asyncrl.data.offline import Example, collate
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer
@@ -76,16 +77,18 @@ class OfflineTrainer:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        # Engines come and go (DPO's reference, then the policy): the group outlives them.
+        self._owns_group = init_process_group()
+        self.is_main = dist.get_rank() == 0  # under torchrun, only rank 0 writes the record
         self.paths = RunPaths.from_config(cfg)
         setup_logging(self.paths.root)
-        (self.paths.root / "config.yaml").write_text(to_yaml(cfg))
+        if self.is_main:
+            (self.paths.root / "config.yaml").write_text(to_yaml(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self._threads = torch.get_num_threads()
         if cfg.scheduler.trainer_threads:
             torch.set_num_threads(cfg.scheduler.trainer_threads)
-        # Engines come and go (DPO's reference, then the policy): the group outlives them.
-        self._owns_group = init_process_group()
         self.summary: dict[str, Any] = {"run_dir": str(self.paths.root)}
 
     def __enter__(self) -> OfflineTrainer:
@@ -109,7 +112,9 @@ class OfflineTrainer:
         total = min(cfg.total_train_epochs * steps_per_epoch, cfg.total_train_steps or 10**12)
         engine = FSDPTrainEngine(cfg.model.engine_config(), total_steps=total, seed=cfg.seed)
         engine.initialize()
-        stats = StatsLogger(self.paths.root, cfg.stats_logger)
+        log_cfg = cfg.stats_logger if self.is_main else StatsLoggerConfig(
+            jsonl=False, tensorboard=False, progress_bar=False)
+        stats = StatsLogger(self.paths.root, log_cfg)
         try:
             self._loop(engine, stats, train, valid, loss_fn, steps_per_epoch, total, show)
         finally:
@@ -133,7 +138,8 @@ class OfflineTrainer:
             eval_(0, "eval_before")
         batches = epoch_batches(len(train), cfg.train_dataset.batch_size,
                                 shuffle=cfg.train_dataset.shuffle, seed=cfg.seed)
-        bar = ProgressBar(total, enabled=cfg.stats_logger.progress_bar, fields=show)
+        bar = ProgressBar(total, enabled=cfg.stats_logger.progress_bar and self.is_main,
+                          fields=show)
         for step in range(1, total + 1):
             timer = StepTimer()
             rows = [r for i in next(batches) for r in train[i]]
