@@ -1,4 +1,4 @@
-"""`asyncrl train | serve | quickstart`."""
+"""`asyncrl train | sft | dpo | serve | quickstart`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,33 @@ def _train(args: argparse.Namespace) -> int:
     summary = train(cfg)
     print_summary(summary)
     return 0
+
+
+def _offline(args: argparse.Namespace) -> int:
+    """`asyncrl sft` / `asyncrl dpo`: the offline trainer named by the subcommand."""
+    import importlib
+
+    from asyncrl.config import load_config
+    from asyncrl.config.offline import TRAINER_SCHEMAS
+
+    cfg = load_config(args.config, args.overrides, schema=TRAINER_SCHEMAS[args.command])
+    summary = importlib.import_module(f"asyncrl.trainers.{args.command}").train(cfg)
+    print_offline_summary(summary)
+    return 0
+
+
+def print_offline_summary(summary: dict) -> None:
+    """Held-out figures before -> after training, and where the run and model are."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    print("\n== asyncrl run finished ==")
+    print(f"run directory : {summary['run_dir']}")
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key), after.get(key)
+        text = " -> ".join(f"{v:.4f}" for v in (b, a) if v is not None)
+        print(f"held-out {key:16s}: {text}" + (f"  ({a - b:+.4f})" if None not in (a, b) else ""))
+    for key in ("stats", "model_dir"):
+        if key in summary:
+            print(f"{key:14s}: {summary[key]}")
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -106,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML config file (else defaults + overrides)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optimizer.lr=1e-6")
     p.set_defaults(func=_train)
+    for name, what in (("sft", "supervised fine-tuning on prompt/answer or chat JSONL"),
+                       ("dpo", "DPO / IPO on prompt/chosen/rejected JSONL")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--config", default=None, help="YAML config file (else defaults)")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. beta=0.1")
+        p.set_defaults(func=_offline)
     p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart recipe")
     p.set_defaults(func=_quickstart)

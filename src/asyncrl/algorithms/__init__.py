@@ -6,8 +6,12 @@ from asyncrl.algorithms.advantages import (
     overlong_penalty,
     shape_rewards,
 )
+from asyncrl.algorithms.dpo import dpo_loss, make_dpo_loss_fn, sequence_logps
 from asyncrl.algorithms.kl import kl_estimate, mean_token_kl, sequence_kl
 from asyncrl.algorithms.ppo import kl_loss, make_ppo_loss_fn, ppo_loss
+from asyncrl.algorithms.sft import make_sft_loss_fn, sft_loss
 
-__all__ = ["compute_advantages", "kl_estimate", "kl_loss", "make_ppo_loss_fn", "mean_token_kl",
-           "normalize", "overlong_penalty", "ppo_loss", "sequence_kl", "shape_rewards"]
+__all__ = ["compute_advantages", "dpo_loss", "kl_estimate", "kl_loss", "make_dpo_loss_fn",
+           "make_ppo_loss_fn", "make_sft_loss_fn", "mean_token_kl", "normalize",
+           "overlong_penalty", "ppo_loss", "sequence_kl", "sequence_logps", "sft_loss",
+           "shape_rewards"]

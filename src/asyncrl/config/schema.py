@@ -150,9 +150,13 @@ class MicroBatchSpec:
     # Tokens (padding included) per forward/backward micro-batch; a longer sequence gets
     # a micro-batch of its own.
     max_tokens_per_mb: int = 8192
+    # Consecutive rows that always share a micro-batch (and a data-parallel rank): a loss
+    # over several rows, like DPO's (chosen, rejected) pairs, needs them together.
+    granularity: int = 1
 
     def __post_init__(self) -> None:
         _check(self.max_tokens_per_mb >= 1, f"mb_spec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
+        _check(self.granularity >= 1, f"mb_spec.granularity must be >= 1, got {self.granularity}")
 
 
 @dataclass(kw_only=True)

@@ -30,11 +30,12 @@ def build_messages(question: str, *, system_prompt: str | None = None,
     return messages
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template, generation prompt added."""
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template (generation prompt added)."""
     # transformers 5 returns a dict unless told otherwise.
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, return_dict=False)
     if ids and isinstance(ids[0], list):  # some versions wrap one conversation in a batch
         ids = ids[0]
     return [int(t) for t in ids]

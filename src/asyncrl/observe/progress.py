@@ -1,26 +1,35 @@
-"""A live progress bar: step, reward, staleness, tokens/s."""
+"""A live progress bar: step, reward, staleness, tokens/s (or a trainer's own figures)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
 
 class ProgressBar:
-    """tqdm over training steps; shows the figures a user watches during a run."""
+    """tqdm over training steps; shows the figures a user watches during a run.
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
+    `fields`: the stat keys to show (offline trainers); None shows RL's reward, staleness
+    and throughput.
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True,
+                 fields: Sequence[str] | None = None) -> None:
         self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                          dynamic_ncols=True, disable=not enabled, file=sys.stderr)
+        self._fields = fields
 
     def update(self, stats: dict[str, float]) -> None:
-        self._bar.set_postfix_str(
-            f"reward={stats.get('rollout/reward', float('nan')):.3f} "
-            f"stale={stats.get('rollout/staleness_mean', 0.0):.2f} "
-            f"tok/s={stats.get('perf/trained_tokens_per_s', 0.0):.0f}",
-            refresh=False,
-        )
+        if self._fields is not None:
+            text = " ".join(f"{key.rsplit('/', 1)[-1]}={stats.get(key, float('nan')):.4g}"
+                            for key in self._fields)
+        else:
+            text = (f"reward={stats.get('rollout/reward', float('nan')):.3f} "
+                    f"stale={stats.get('rollout/staleness_mean', 0.0):.2f} "
+                    f"tok/s={stats.get('perf/trained_tokens_per_s', 0.0):.0f}")
+        self._bar.set_postfix_str(text, refresh=False)
         self._bar.update(1)
 
     def write(self, message: str) -> None:

@@ -1,1 +1,1 @@
-"""Training loops: `rl` (the asynchronous PPO family)."""
+"""Training loops: `rl` (the asynchronous PPO family); `sft` and `dpo` on `offline`."""

@@ -116,7 +116,7 @@ def _reduction(key: str) -> str:
     return key.rsplit("_", 1)[-1] if key.endswith(("_max", "_min")) else "sum"
 
 
-def _reduce_stats(per_mb: list[dict[str, float]]) -> dict[str, float]:
+def reduce_stats(per_mb: list[dict[str, float]]) -> dict[str, float]:
     """Sum micro-batch stats, max/min those named `*_max` / `*_min`."""
     out: dict[str, float] = {}
     for stats in per_mb:
@@ -127,7 +127,7 @@ def _reduce_stats(per_mb: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _reduce_stats_across_ranks(stats: dict[str, float], device: torch.device) -> dict[str, float]:
-    """The same reduction as `_reduce_stats`, over ranks (every rank must hold the same keys)."""
+    """The same reduction as `reduce_stats`, over ranks (every rank must hold the same keys)."""
     if dist.get_world_size() == 1:
         return stats
     out = dict(stats)
@@ -226,7 +226,9 @@ class FSDPTrainEngine:
     def _my_micro_batches(self, batch: TensorBatch) -> list[tuple[list[int], bool]]:
         """(rows, real) for this rank; a rank short of micro-batches repeats one, not real."""
         lengths = batch.seq_lens.tolist()
-        plans = plan_micro_batches(lengths, self.cfg.mb_spec.max_tokens_per_mb, self.world_size)
+        spec = self.cfg.mb_spec
+        plans = plan_micro_batches(lengths, spec.max_tokens_per_mb, self.world_size,
+                                   spec.granularity)
         mine = plans[self.rank]
         n = max(len(p) for p in plans)
         return [(mine[i], True) if i < len(mine) else (mine[0], False) for i in range(n)]
@@ -278,7 +280,7 @@ class FSDPTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.steps_done += 1
-        stats = _reduce_stats(mb_stats)
+        stats = reduce_stats(mb_stats)
         stats["loss"] = loss_sum
         stats = _reduce_stats_across_ranks(stats, self.device)
         stats.update(grad_norm=grad_norm, lr=lr, n_mbs=float(len(micro_batches)),

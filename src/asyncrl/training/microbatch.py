@@ -46,17 +46,38 @@ def split_across_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int,
-                       world_size: int) -> list[list[list[int]]]:
+def plan_micro_batches(lengths: list[int], max_tokens: int, world_size: int,
+                       granularity: int = 1) -> list[list[list[int]]]:
     """For each rank, its micro-batches as lists of row indices into the full batch.
 
+    Rows `granularity * k ... granularity * (k + 1) - 1` form a unit that is never split
+    across ranks or micro-batches, and keeps its order (DPO's chosen, rejected pairs).
     Ranks with fewer micro-batches than the busiest one are not padded here; the engine
     repeats one of their micro-batches with zero weight (see `FSDPTrainEngine`).
     """
+    if granularity > 1:
+        return _plan_units(lengths, max_tokens, world_size, granularity)
     plans = []
     for rows in split_across_ranks(lengths, world_size):
         groups = split_by_token_budget([lengths[i] for i in rows], max_tokens)
         plans.append([[rows[j] for j in g] for g in groups])
+    return plans
+
+
+def _plan_units(lengths: list[int], max_tokens: int, world_size: int,
+                granularity: int) -> list[list[list[int]]]:
+    """`plan_micro_batches` over units of `granularity` consecutive rows."""
+    if len(lengths) % granularity:
+        raise ValueError(f"a batch of {len(lengths)} rows is not a whole number of units of "
+                         f"mb_spec.granularity={granularity} rows")
+    units = [list(range(u, u + granularity)) for u in range(0, len(lengths), granularity)]
+    widths = [max(lengths[i] for i in unit) for unit in units]
+    plans = []
+    for mine in split_across_ranks([sum(lengths[i] for i in u) for u in units], world_size):
+        # k units of width w pad to k * granularity * w tokens: k * w <= max_tokens // g.
+        groups = split_by_token_budget([widths[u] for u in mine],
+                                       max(1, max_tokens // granularity))
+        plans.append([[row for j in g for row in units[mine[j]]] for g in groups])
     return plans
 
 

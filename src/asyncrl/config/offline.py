@@ -1,0 +1,188 @@
+"""Configs of the offline trainers (SFT, DPO): a dataset of fixed rows, no rollouts.
+
+They share `OfflineConfig`; keys keep AReaL's names where AReaL has them (`model` is its
+TrainEngineConfig section, `total_train_epochs`, `train_dataset.batch_size`, ...) and TRL's
+for DPO (`beta`, `loss_type`, `label_smoothing`). Load one with
+`load_config(path, overrides, schema=SFTConfig)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from asyncrl.config.schema import (
+    ActorConfig,
+    ClusterConfig,
+    MicroBatchSpec,
+    OptimizerConfig,
+    RefConfig,
+    SaverConfig,
+    StatsLoggerConfig,
+    _check,
+)
+
+SFT_FORMATS = ("auto", "prompt_answer", "chat", "gsm8k")
+DPO_FORMATS = ("auto", "preference")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+@dataclass(kw_only=True)
+class TrainEngineConfig:
+    """The trained model: what `FSDPTrainEngine` needs, without the RL actor's keys."""
+
+    path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
+    init_from_scratch: bool = False
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    gradient_checkpointing: bool = False
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+
+    def engine_config(self) -> ActorConfig:
+        """The `ActorConfig` that `FSDPTrainEngine` reads (its RL keys stay at defaults)."""
+        return ActorConfig(path=self.path, init_from_scratch=self.init_from_scratch,
+                           dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing,
+                           mb_spec=self.mb_spec, optimizer=self.optimizer)
+
+
+@dataclass(kw_only=True)
+class OfflineDatasetConfig:
+    # A JSONL file, or a folder holding <split>.jsonl (or <split>-*.jsonl shards).
+    path: str = ""
+    split: str = "train"  # for folders
+    # The row shape. auto: from each row's keys. prompt_answer: {"prompt", "answer" or
+    # "completion"}. chat: {"messages": [{"role", "content"}, ...]} (loss on assistant turns).
+    # gsm8k: {"question", "answer"} (the answer is the whole solution). preference (DPO):
+    # {"prompt", "chosen", "rejected"}, each a string or a list of chat messages.
+    format: Literal["auto", "prompt_answer", "chat", "gsm8k", "preference"] = "auto"
+    batch_size: int = 8  # examples (SFT rows, DPO pairs) per optimiser step or eval forward
+    shuffle: bool = True  # reshuffled every epoch from (seed, epoch)
+    # Examples with a row longer than this many tokens (prompt + answer) are dropped.
+    max_length: Optional[int] = None
+    size: Optional[int] = None  # keep the first `size` rows of the file
+
+    def check(self, name: str) -> None:
+        """Raise naming `<name>.<key>` if a value is out of range."""
+        _check(bool(self.path), f"{name}.path is empty: give a JSONL file or a folder holding "
+               f"<split>.jsonl")
+        _check(self.batch_size >= 1, f"{name}.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.size is None or self.size >= 1,
+               f"{name}.size must be >= 1 or null (all rows), got {self.size}")
+        _check(self.max_length is None or self.max_length >= 2,
+               f"{name}.max_length must be >= 2 tokens or null, got {self.max_length}")
+
+
+@dataclass(kw_only=True)
+class OfflineEvaluatorConfig:
+    """Held-out loss (and the trainer's metrics) on valid_dataset: before, every N, after."""
+
+    freq_steps: Optional[int] = None
+    freq_epochs: Optional[int] = None
+    freq_secs: Optional[float] = None
+    before_training: bool = True
+    after_training: bool = True
+
+
+@dataclass(kw_only=True)
+class OfflineSchedulerConfig:
+    type: Literal["local"] = "local"
+    trainer_threads: Optional[int] = None  # CPU threads of the trainer; null: torch's default
+
+
+@dataclass(kw_only=True)
+class OfflineConfig:
+    """What every offline trainer reads; SFTConfig and DPOConfig add their own keys."""
+
+    experiment_name: str = "asyncrl-offline"
+    trial_name: str = "trial0"
+    seed: int = 1  # weights of init_from_scratch models and the shuffling of the data
+    total_train_epochs: int = 1
+    total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
+    tokenizer_path: str = "${model.path}"
+    # A system turn put before prompts given as plain strings (not before chat rows).
+    system_prompt: Optional[str] = None
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: OfflineSchedulerConfig = field(default_factory=OfflineSchedulerConfig)
+    model: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    train_dataset: OfflineDatasetConfig = field(default_factory=OfflineDatasetConfig)
+    valid_dataset: Optional[OfflineDatasetConfig] = None
+    saver: SaverConfig = field(default_factory=SaverConfig)  # the final model is always saved
+    evaluator: OfflineEvaluatorConfig = field(default_factory=OfflineEvaluatorConfig)
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.total_train_epochs >= 1,
+               f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
+        _check(self.total_train_steps is None or self.total_train_steps >= 1,
+               f"total_train_steps must be >= 1 or null, got {self.total_train_steps}")
+        _check(self.scheduler.trainer_threads is None or self.scheduler.trainer_threads >= 1,
+               f"scheduler.trainer_threads must be >= 1 or null, got "
+               f"{self.scheduler.trainer_threads}")
+        self.train_dataset.check("train_dataset")
+        if self.valid_dataset is not None:
+            self.valid_dataset.check("valid_dataset")
+        self._check_formats()
+
+    def _check_formats(self) -> None:
+        """Hook for a trainer's accepted row formats."""
+
+    def _datasets(self) -> list[tuple[str, OfflineDatasetConfig]]:
+        named = [("train_dataset", self.train_dataset), ("valid_dataset", self.valid_dataset)]
+        return [(name, ds) for name, ds in named if ds is not None]
+
+
+@dataclass(kw_only=True)
+class SFTConfig(OfflineConfig):
+    """Supervised fine-tuning: -mean log p over answer (assistant) tokens."""
+
+    experiment_name: str = "asyncrl-sft"
+
+    def _check_formats(self) -> None:
+        for name, ds in self._datasets():
+            _check(ds.format in SFT_FORMATS,
+                   f"{name}.format={ds.format} is not an SFT format; use one of {SFT_FORMATS} "
+                   f"(preference rows are for `asyncrl dpo`)")
+
+
+@dataclass(kw_only=True)
+class DPOConfig(OfflineConfig):
+    """Direct preference optimisation on (prompt, chosen, rejected) rows."""
+
+    experiment_name: str = "asyncrl-dpo"
+    # The frozen reference policy; its log-probs are computed once per dataset, then it is
+    # freed. Defaults to the model's starting weights at the model's dtype.
+    ref: RefConfig = field(
+        default_factory=lambda: RefConfig(path="${model.path}", dtype="${model.dtype}"))
+    beta: float = 0.1  # the KL strength: the implicit reward is beta * log(p / p_ref)
+    # sigmoid: -log sigmoid(beta * h) (DPO). ipo: (h - 1 / (2 beta))^2 (IPO), where h is the
+    # chosen-minus-rejected difference of sequence log-ratios to the reference.
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    # cDPO: the preference label is flipped with this probability (sigmoid loss only).
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.beta > 0, f"beta must be > 0, got {self.beta}")
+        _check(self.loss_type in DPO_LOSS_TYPES,
+               f"loss_type must be one of {DPO_LOSS_TYPES}, got {self.loss_type!r}")
+        _check(0 <= self.label_smoothing < 0.5,
+               f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        _check(self.label_smoothing == 0 or self.loss_type == "sigmoid",
+               f"label_smoothing={self.label_smoothing} applies to loss_type=sigmoid only; "
+               f"set label_smoothing=0 for loss_type={self.loss_type}")
+        # A pair's loss needs both rows in one micro-batch: the planner keeps units of
+        # `granularity` consecutive rows (chosen, rejected) together.
+        spec = self.model.mb_spec
+        if spec.granularity == 1:
+            spec.granularity = 2
+        _check(spec.granularity % 2 == 0,
+               f"model.mb_spec.granularity={spec.granularity} would split (chosen, rejected) "
+               f"pairs across micro-batches; drop it (DPO sets 2) or make it even")
+
+    def _check_formats(self) -> None:
+        for name, ds in self._datasets():
+            _check(ds.format in DPO_FORMATS,
+                   f"{name}.format={ds.format} is not a DPO format; use one of {DPO_FORMATS}")
+
+
+TRAINER_SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig}

@@ -1,0 +1,285 @@
+"""Rows for offline training (SFT, DPO): JSONL parsed, rendered by the chat template, tokenised.
+
+An example is the rows that train together: one row for SFT, (chosen, rejected) for DPO.
+A row's loss mask is 1 on the tokens of the assistant turns being learned, end-of-turn
+tokens included (so the model learns to stop), and 0 on everything the model is given.
+
+Row shapes (`OfflineDatasetConfig.format`):
+  prompt_answer  {"prompt", "answer" | "completion"}
+  chat           {"messages": [{"role", "content"}, ...]}: every assistant turn is learned
+  gsm8k          {"question", "answer"}: the answer is the worked solution, learned whole
+  preference     {"prompt", "chosen", "rejected"}
+A prompt is a string (one user turn, after `system_prompt` if set) or a list of chat
+messages; an answer, chosen or rejected is a string (one assistant turn) or a list of
+messages that continue the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.api.types import TensorBatch
+from asyncrl.config.offline import OfflineDatasetConfig
+from asyncrl.data.loading import DatasetError, _split_files
+from asyncrl.data.prompts import build_messages, encode_chat
+
+ROLES = ("system", "user", "assistant", "tool")
+SFT_SHAPES = "{prompt, answer|completion}, {messages} or {question, answer}"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenRow:
+    """One tokenised sequence and the tokens its loss reads."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    label: float = 0.0  # DPO: 1 on the chosen row, 0 on the rejected one
+    ref_logprobs: torch.Tensor | None = None  # [len(input_ids)]: the reference model's
+
+
+Example = list[TokenRow]
+Messages = list[dict[str, str]]
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+def dataset_files(cfg: OfflineDatasetConfig) -> list[Path]:
+    """The JSONL file `cfg.path`, or the `<split>` file(s) of the folder `cfg.path`."""
+    path = Path(cfg.path).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return _split_files(path, cfg.split)
+    raise DatasetError(f"dataset path {cfg.path!r} does not exist (give a JSONL file or a "
+                       f"folder holding {cfg.split}.jsonl)")
+
+
+def read_jsonl(files: list[Path], limit: int | None = None) -> Iterator[tuple[str, dict]]:
+    """("file:line", row) for the first `limit` JSON-object rows of `files`."""
+    count = 0
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if limit is not None and count >= limit:
+                    return
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+                                       ) from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{where}: expected a JSON object, got "
+                                       f"{type(row).__name__}")
+                count += 1
+                yield where, row
+
+
+# -- row shapes -> chat messages --------------------------------------------------------
+
+
+def _text(row: dict, key: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise DatasetError(f"{key!r} must be a non-empty string, got {value!r:.80}")
+    return value
+
+
+def check_messages(value: Any, key: str) -> Messages:
+    """`value` as chat messages: a non-empty list of {"role", "content": str}."""
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{key!r} must be a string or a non-empty list of chat messages, "
+                           f"got {value!r:.80}")
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("content"), str):
+            raise DatasetError(f"{key}[{i}] must be {{'role': ..., 'content': str}}, got "
+                               f"{msg!r:.80}")
+        if msg.get("role") not in ROLES:
+            raise DatasetError(f"{key}[{i}] has role {msg.get('role')!r}; use one of {ROLES}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _prompt(row: dict, key: str, system_prompt: str | None) -> Messages:
+    if isinstance(row.get(key), list):
+        return check_messages(row[key], key)
+    return build_messages(_text(row, key), system_prompt=system_prompt)
+
+
+def _reply(row: dict, key: str) -> Messages:
+    """The assistant reply under `key`: a string, or messages with an assistant turn."""
+    if isinstance(row.get(key), list):
+        messages = check_messages(row[key], key)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DatasetError(f"{key!r} has no assistant message to learn")
+        return messages
+    return [{"role": "assistant", "content": _text(row, key)}]
+
+
+def _sft_format(row: dict) -> str:
+    """The SFT row shape, from the row's keys."""
+    if "messages" in row:
+        return "chat"
+    if "chosen" in row or "rejected" in row:
+        raise DatasetError("a preference row (chosen/rejected) in an SFT dataset; train it "
+                           "with `asyncrl dpo`")
+    if "prompt" in row:
+        return "prompt_answer"
+    if "question" in row:
+        return "gsm8k"
+    raise DatasetError(f"cannot tell the row's format from its keys {sorted(row)}; SFT rows "
+                       f"are {SFT_SHAPES}")
+
+
+def sft_conversation(row: dict, fmt: str, system_prompt: str | None) -> tuple[Messages, int]:
+    """An SFT row's messages and the index of the first one whose assistant turns are learned."""
+    fmt = _sft_format(row) if fmt == "auto" else fmt
+    if fmt == "chat":
+        messages = check_messages(row.get("messages"), "messages")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DatasetError("'messages' has no assistant turn to learn")
+        return messages, 0
+    if fmt == "gsm8k":
+        prompt = build_messages(_text(row, "question"), system_prompt=system_prompt)
+        return prompt + [{"role": "assistant", "content": _text(row, "answer")}], len(prompt)
+    if fmt != "prompt_answer":
+        raise DatasetError(f"format {fmt!r} is not an SFT format ({SFT_SHAPES})")
+    key = "answer" if "answer" in row else "completion"
+    if key not in row:
+        raise DatasetError(f"missing key 'answer' (or 'completion'); the row has {sorted(row)}")
+    prompt = _prompt(row, "prompt", system_prompt)
+    return prompt + _reply(row, key), len(prompt)
+
+
+def preference_conversations(row: dict,
+                             system_prompt: str | None) -> tuple[Messages, Messages, int]:
+    """(prompt + chosen, prompt + rejected, number of prompt messages) of a preference row."""
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+    if missing:
+        raise DatasetError(f"missing {missing}: preference rows are {{prompt, chosen, "
+                           f"rejected}}; the row has {sorted(row)}")
+    prompt = _prompt(row, "prompt", system_prompt)
+    chosen, rejected = _reply(row, "chosen"), _reply(row, "rejected")
+    if chosen == rejected:
+        raise DatasetError("'chosen' and 'rejected' are identical: the pair carries no "
+                           "preference")
+    return prompt + chosen, prompt + rejected, len(prompt)
+
+
+# -- tokenising -------------------------------------------------------------------------
+
+
+def _prefix_len(tokenizer: Any, messages: Messages, full: list[int], *, generation: bool,
+                upto: int) -> int:
+    """Tokens of `messages` rendered alone, checked to be the start of `full`."""
+    ids = encode_chat(tokenizer, messages, add_generation_prompt=generation)
+    if full[:len(ids)] != ids:
+        raise DatasetError(f"the chat template renders the first {upto} messages differently "
+                           "alone than inside the whole conversation (it rewrites earlier "
+                           "turns), so the learned turns cannot be located in the tokens")
+    return len(ids)
+
+
+def tokenize_conversation(tokenizer: Any, messages: Messages, loss_from: int = 0) -> TokenRow:
+    """Chat-template tokens of `messages`, loss on the assistant turns from `loss_from` on."""
+    ids = encode_chat(tokenizer, messages, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    for i in range(loss_from, len(messages)):
+        if messages[i]["role"] != "assistant":
+            continue
+        # The turn spans from the end of "everything before + generation prompt" to the end
+        # of "everything up to this turn" (its end-of-turn tokens included).
+        start = _prefix_len(tokenizer, messages[:i], ids, generation=True, upto=i)
+        end = len(ids) if i == len(messages) - 1 else _prefix_len(
+            tokenizer, messages[:i + 1], ids, generation=False, upto=i + 1)
+        mask[start:end] = [1] * (end - start)
+    if not any(mask):
+        raise DatasetError("no assistant tokens to learn after the prompt")
+    return TokenRow(input_ids=ids, loss_mask=mask)
+
+
+# -- datasets ---------------------------------------------------------------------------
+
+
+def _load(cfg: OfflineDatasetConfig, parse: Callable[[dict], Example]) -> list[Example]:
+    """Examples of every row of `cfg`'s files, errors naming file and line, long ones dropped."""
+    examples = []
+    for where, row in read_jsonl(dataset_files(cfg), cfg.size):
+        try:
+            examples.append(parse(row))
+        except ValueError as e:  # DatasetError, and a chat template's own complaints
+            raise DatasetError(f"{where}: {e}") from None
+    if not examples:
+        raise DatasetError(f"dataset {cfg.path!r} has no rows")
+    return _drop_long(examples, cfg.max_length, cfg.path)
+
+
+def _drop_long(examples: list[Example], max_length: int | None, path: str) -> list[Example]:
+    if max_length is None:
+        return examples
+    kept = [ex for ex in examples if max(len(r.input_ids) for r in ex) <= max_length]
+    if not kept:
+        raise DatasetError(f"all {len(examples)} examples of {path!r} are longer than "
+                           f"max_length={max_length} tokens; raise max_length")
+    if len(kept) < len(examples):
+        logger.info("%s: dropped %d of %d examples longer than %d tokens", path,
+                    len(examples) - len(kept), len(examples), max_length)
+    return kept
+
+
+def load_sft_examples(cfg: OfflineDatasetConfig, tokenizer: Any,
+                      system_prompt: str | None = None) -> list[Example]:
+    """One-row examples of an SFT dataset (loss on the answer / assistant tokens)."""
+    def parse(row: dict) -> Example:
+        messages, loss_from = sft_conversation(row, cfg.format, system_prompt)
+        return [tokenize_conversation(tokenizer, messages, loss_from)]
+    return _load(cfg, parse)
+
+
+def load_preference_examples(cfg: OfflineDatasetConfig, tokenizer: Any,
+                             system_prompt: str | None = None) -> list[Example]:
+    """(chosen, rejected) examples of a preference dataset; labels 1 and 0."""
+    def parse(row: dict) -> Example:
+        chosen, rejected, loss_from = preference_conversations(row, system_prompt)
+        pair = [tokenize_conversation(tokenizer, m, loss_from) for m in (chosen, rejected)]
+        pair[0].label = 1.0
+        return pair
+    return _load(cfg, parse)
+
+
+def collate(rows: list[TokenRow], pad_token_id: int) -> TensorBatch:
+    """Right-padded tensors of `rows`; `rewards` holds the labels, `ref_logprobs` if known."""
+    if not rows:
+        raise ValueError("cannot collate an empty list of rows")
+    n, width = len(rows), max(len(r.input_ids) for r in rows)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.bool)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
+        attention_mask[i, :len(r.input_ids)] = True
+        loss_mask[i, :len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float32)
+    with_ref = sum(r.ref_logprobs is not None for r in rows)
+    if with_ref not in (0, n):
+        raise ValueError(f"{n - with_ref} of {n} rows lack reference log-probs")
+    ref = None
+    if with_ref:
+        ref = torch.zeros((n, width), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            ref[i, :len(r.ref_logprobs)] = r.ref_logprobs
+    return TensorBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+                       behavior_logprobs=torch.zeros((n, width)),
+                       versions=torch.full((n, width), -1, dtype=torch.long),
+                       rewards=torch.tensor([r.label for r in rows], dtype=torch.float32),
+                       ref_logprobs=ref)
