@@ -145,8 +145,8 @@ def test_tokens_above_the_weight_cap_are_masked_out_and_counted():
     loss, stats, grad = loss_of([0.0, 0.0], prox=[0.0, 0.0], behav=[math.log(0.5), math.log(0.1)],
                                 adv=[1.0, 1.0], cap=5.0)
     assert loss == pytest.approx(-2.0 / 2)
-    assert stats["capped_tokens"] == 1.0
-    assert stats["capped_frac"] == pytest.approx(0.5)
+    assert stats["rejected_tokens"] == 1.0
+    assert stats["rejected_frac"] == pytest.approx(0.5)
     assert stats["imp_weight_max"] == pytest.approx(10.0)
     assert grad[1].item() == 0.0
 
@@ -211,7 +211,7 @@ def test_prox_from_the_current_forward_equals_a_separate_recomputation():
     assert loss_fused.item() == pytest.approx(expected, abs=1e-6)
     assert loss_sep.item() == pytest.approx(expected, abs=1e-6)
     torch.testing.assert_close(grad_fused, grad_sep)
-    assert stats_fused == stats_sep and stats_fused["capped_tokens"] == 1.0
+    assert stats_fused == stats_sep and stats_fused["rejected_tokens"] == 1.0
 
 
 # ---- reward shaping: clip and DAPO's overlong penalty ----------------------------------------

@@ -181,3 +181,117 @@ def test_a_dead_engine_stops_the_run_at_once_and_keeps_the_item():
     # no more episodes start, and every item taken from the stream is kept for a resume
     state = ctrl.state_dict()
     assert sorted(item["n"] for item in state["pending"]) == list(range(state["stream"]["position"]))
+
+
+# ---- dynamic sampling (DAPO): groups of equal rewards are dropped -----------------------------
+
+class MixedRewardWorkflow(SleepyWorkflow):
+    """Items 0, 3, 6, ... get rewards [0, 1] (kept); every other item's group is all 0 or 1."""
+
+    async def run(self, engine, item):
+        trajectories = await super().run(engine, item)
+        for i, t in enumerate(trajectories):
+            t.reward = float(i % 2) if item["n"] % 3 == 0 else float(item["n"] % 2)
+        return trajectories
+
+
+def make_dapo_controller(eta, B=4, workflow=None):
+    from asyncrl.rollout import has_reward_signal
+
+    return RolloutController(
+        FakeEngine(), workflow or MixedRewardWorkflow(), ListStream(), consumer_batch_size=B,
+        max_head_offpolicyness=eta, max_concurrent_rollouts=B * (eta + 1),
+        should_accept=has_reward_signal)
+
+
+def test_dynamic_sampling_fills_each_batch_with_groups_that_have_a_reward_signal():
+    # eta = 0, B = 4: a batch needs the next 4 items n % 3 == 0, and the admission rule
+    # (accepted + running < (v + 1) * 4) starts nothing after the 4th of them. So batch 1 is
+    # items 0, 3, 6, 9 after dropping 1, 2, 4, 5, 7, 8 (6 groups); batch 2 is 12 .. 21 after
+    # dropping 10, 11, 13, 14, 16, 17, 19, 20 (8); batch 3 likewise 8 more.
+    ctrl = make_dapo_controller(0)
+    ctrl.start()
+    try:
+        batches = run_steps(ctrl, 3)
+    finally:
+        ctrl.stop()
+    items = [sorted({t.meta["item"] for t in b}) for _, b, _ in batches]
+    assert items == [[0, 3, 6, 9], [12, 15, 18, 21], [24, 27, 30, 33]]
+    assert [s["rollout/groups_dropped"] for _, _, s in batches] == [6, 8, 8]
+    assert [s["rollout/groups_dropped_total"] for _, _, s in batches] == [6, 14, 22]
+    assert all(s["rollout/episodes_accepted"] == 4 * (k + 1) for k, (_, _, s) in enumerate(batches))
+    # a dropped group frees its slot like a rejected one
+    assert ctrl.staleness.rejected == 22 and ctrl.staleness.running == 0
+
+
+@pytest.mark.parametrize("eta", [1, 3])
+def test_dynamic_sampling_keeps_the_staleness_bound(eta):
+    # Slow kept items are overtaken by later ones while dropped groups are replaced.
+    ctrl = make_dapo_controller(eta, workflow=MixedRewardWorkflow(slow_ids={0, 6, 15}, seed=eta))
+    ctrl.start()
+    try:
+        batches = run_steps(ctrl, 6)
+    finally:
+        ctrl.stop()
+    for step, batch, stats in batches:
+        assert len(batch) == 4 * 2
+        for t in batch:
+            assert 0 <= step - t.start_version <= eta
+            assert t.meta["item"] % 3 == 0
+        assert stats["rollout/staleness_max"] <= eta
+    totals = [s["rollout/groups_dropped_total"] for _, _, s in batches]
+    assert sum(s["rollout/groups_dropped"] for _, _, s in batches) == totals[-1] > 0
+
+
+def test_dynamic_sampling_counters_survive_a_resume():
+    ctrl = make_dapo_controller(0)
+    ctrl.start()
+    try:
+        run_steps(ctrl, 2)
+        state = ctrl.state_dict()
+    finally:
+        ctrl.stop()
+    resumed = make_dapo_controller(0)
+    resumed.load_state_dict(state)
+    resumed.start()
+    try:
+        ((_, batch, stats),) = run_steps(resumed, 1, start=2)
+    finally:
+        resumed.stop()
+    # the same batch 3 as without the resume (see the test above): 8 dropped, 22 in total
+    assert sorted({t.meta["item"] for t in batch}) == [24, 27, 30, 33]
+    assert stats["rollout/groups_dropped"] == 8
+    assert stats["rollout/groups_dropped_total"] == 22
+
+
+def test_dropping_every_group_warns_with_the_counts(caplog, monkeypatch):
+    from asyncrl.rollout import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "DROP_WARN_GROUPS_PER_BATCH", 1)
+    # SleepyWorkflow gives all samples of an item the same reward: every group is dropped.
+    ctrl = make_dapo_controller(0, B=2, workflow=SleepyWorkflow(max_delay=0.0))
+    ctrl.start()
+    try:
+        with caplog.at_level("WARNING", logger="asyncrl.rollout.controller"):
+            with pytest.raises(TimeoutError, match="0/2 episodes ready"):
+                ctrl.next_batch(timeout=1)
+    finally:
+        ctrl.stop()
+    warnings = [r.getMessage() for r in caplog.records if "dynamic sampling" in r.getMessage()]
+    assert warnings and warnings[0].startswith(
+        "dynamic sampling dropped the last 2 finished groups in a row (2 dropped, 0 kept")
+
+
+def test_a_filter_that_raises_counts_as_a_failed_episode():
+    def broken(trajectories):
+        raise KeyError("score")
+
+    ctrl = RolloutController(FakeEngine(), SleepyWorkflow(), ListStream(), consumer_batch_size=2,
+                             max_head_offpolicyness=0, max_concurrent_rollouts=2,
+                             max_failed_episodes=1, should_accept=broken)
+    ctrl.start()
+    try:
+        with pytest.raises(RolloutError, match="KeyError: 'score'"):
+            ctrl.next_batch(timeout=30)
+    finally:
+        ctrl.stop()

@@ -1,6 +1,7 @@
 """The FSDP2 train engine on a tiny random model, world size 1 on the CPU."""
 
 import dataclasses
+import math
 import os
 
 import pytest
@@ -14,6 +15,7 @@ from asyncrl.training import FSDPTrainEngine, split_across_ranks, split_by_token
 from asyncrl.training import engine as engine_module
 from asyncrl.training.dist import free_port, init_process_group
 from asyncrl.training.optim import lr_factor
+from asyncrl.training.updates import merge_update_stats, split_minibatches, train_epochs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -274,3 +276,89 @@ def test_a_model_with_dropout_is_refused_with_the_field_named(tmp_path):
     with pytest.raises(ValueError, match="attention_dropout=0.1"):
         engine.initialize()
     engine.destroy()
+
+
+# ---- entropy, epochs and minibatches ----------------------------------------------------------
+
+@pytest.mark.parametrize("logits_per_chunk", [2**25, 3 * 320], ids=["one_chunk", "3_per_chunk"])
+def test_entropy_matches_a_full_softmax_over_the_vocabulary(tiny_path, monkeypatch,
+                                                            logits_per_chunk):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
+    engine = make_engine(tiny_path, temperature=0.7)
+    batch = make_batch()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    # The reference: H = -sum_v p_v log p_v of softmax(logits / T), shifted so that position t
+    # holds the entropy of the distribution token t was sampled from.
+    logp = torch.log_softmax(logits[:, :-1] / 0.7, -1)
+    expected = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0)) * batch.loss_mask
+    targets = engine_module._targets_loss(batch)
+    _, entropy = engine.model(batch.input_ids, batch.attention_mask, targets, with_entropy=True)
+    torch.testing.assert_close(entropy.detach(), expected, atol=1e-5, rtol=1e-5)
+    # The step reports the token mean over the loss tokens (of the weights before the step).
+    stats = engine.train_batch(batch, nll_loss)
+    mean = float(expected.sum() / batch.loss_mask.sum())
+    assert stats["entropy"] == pytest.approx(mean, rel=1e-5)
+    assert 0 < mean < math.log(320)  # below the uniform distribution's entropy
+    engine.destroy()
+
+
+def test_logprobs_with_entropy_equal_those_without(tiny_path, monkeypatch):
+    monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", 3 * 320)  # recomputed chunks
+    engine = make_engine(tiny_path)
+    batch = make_batch()
+    targets = engine_module._targets_loss(batch)
+    weight = engine.model.hf.lm_head.weight
+    results = []
+    for with_entropy in (False, True):
+        out = engine.model(batch.input_ids, batch.attention_mask, targets,
+                           with_entropy=with_entropy)
+        logprobs = out[0] if with_entropy else out
+        logprobs.sum().backward()
+        results.append((logprobs.detach(), weight.grad.full_tensor().clone()))
+        weight.grad = None
+    (plain, g_plain), (both, g_both) = results
+    assert torch.equal(plain, both) and torch.equal(g_plain, g_both)
+    engine.destroy()
+
+
+def test_two_epochs_of_two_minibatches_take_four_optimiser_steps(tiny_path):
+    engine = make_engine(tiny_path)
+    seen = []
+
+    def recording_loss(logprobs, mb, *, n_tokens, n_seqs):
+        seen.append((int(mb.input_ids[0, 0]), n_seqs))
+        return nll_loss(logprobs, mb, n_tokens=n_tokens, n_seqs=n_seqs)
+
+    batch = make_batch()  # rows of 12, 7, 10, 5 tokens, 3 prompt tokens each
+    stats = train_epochs(engine, batch, recording_loss, n_minibatches=2, epochs=2)
+    assert engine.steps_done == 4 and stats["n_updates"] == 4
+    # minibatches are rows [0, 1] and [2, 3], in that order in both epochs
+    first = [int(batch.input_ids[0, 0]), int(batch.input_ids[2, 0])]
+    assert [row for row, _ in seen] == first * 2 and {n for _, n in seen} == {2}
+    # counts add up over the steps: 2 epochs * 22 loss tokens; other stats are step means:
+    # nll_tokens is (9 + 4) for the first minibatch and (7 + 2) for the second, mean 11
+    assert stats["n_tokens"] == 44 and stats["n_seqs"] == 8
+    assert stats["nll_tokens"] == pytest.approx(11.0)
+    engine.destroy()
+
+
+def test_update_stats_merge_means_maxima_minima_and_counts():
+    per_step = [
+        {"loss": 1.0, "clip_frac": 0.1, "imp_weight_max": 3.0, "imp_weight_min": 0.5,
+         "n_tokens": 10.0, "rejected_tokens": 1.0, "entropy": 2.0},
+        {"loss": 3.0, "clip_frac": 0.3, "imp_weight_max": 2.0, "imp_weight_min": 0.4,
+         "n_tokens": 12.0, "rejected_tokens": 0.0, "entropy": 1.0},
+    ]
+    assert merge_update_stats(per_step) == pytest.approx({
+        "loss": 2.0, "clip_frac": 0.2, "imp_weight_max": 3.0, "imp_weight_min": 0.4,
+        "n_tokens": 22.0, "rejected_tokens": 1.0, "entropy": 1.5, "n_updates": 2.0})
+
+
+def test_minibatches_are_consecutive_rows_so_groups_stay_together():
+    batch = make_batch(lengths=(4, 5, 6, 7, 8, 9, 10, 11))
+    parts = split_minibatches(batch, 2)  # groups of 4: rows 0-3 and 4-7
+    assert [p.seq_lens.tolist() for p in parts] == [[4, 5, 6, 7], [8, 9, 10, 11]]

@@ -106,6 +106,13 @@ class RolloutConfig:
     # Failed episodes (reward raised or timed out, malformed item) are logged and counted;
     # the run stops once more than this many have failed. -1: never stop for failures.
     max_failed_episodes: int = 16
+    # DAPO dynamic sampling: drop finished episodes (groups) whose trajectories all got the
+    # same reward (zero advantage under group normalisation) and keep sampling until the
+    # batch holds consumer_batch_size kept groups. Dropped groups free their slot.
+    dynamic_sampling: bool = False
+    # With dynamic_sampling: "package.module:function" taking an episode's trajectories and
+    # returning True to keep it. null: the built-in filter (drop groups of equal rewards).
+    dynamic_filter_fn: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(self.max_head_offpolicyness >= 0,
@@ -118,6 +125,9 @@ class RolloutConfig:
                f"rollout.n_servers must be >= 1 or null, got {self.n_servers}")
         _check(self.health_check_interval is None or self.health_check_interval > 0,
                f"rollout.health_check_interval must be > 0 or null, got {self.health_check_interval}")
+        _check(self.dynamic_filter_fn is None or self.dynamic_sampling,
+               f"rollout.dynamic_filter_fn={self.dynamic_filter_fn!r} is used only with "
+               "rollout.dynamic_sampling=true; set it, or drop dynamic_filter_fn")
 
     @property
     def concurrency(self) -> int:
@@ -185,6 +195,33 @@ class NormConfig:
 
 
 @dataclass(kw_only=True)
+class RejectionSamplingConfig:
+    """Filter on the behaviour importance weight w = proximal / behaviour (AReaL's keys)."""
+
+    # token: each token's w. sequence: one w per sequence, the geometric mean
+    # exp(mean log w) over its loss tokens, used as the weight of all its tokens.
+    level: Literal["token", "sequence"] = "token"
+    # mask: drop tokens (or whole sequences) whose w lies outside [lower, upper].
+    # clamp: keep them, with w clipped into [lower, upper].
+    action: Literal["mask", "clamp"] = "mask"
+    upper: float = 5.0
+    lower: Optional[float] = None  # null: no lower bound
+
+    def check(self) -> None:
+        """Raise naming `actor.rejection_sampling.<key>` if a value is out of range."""
+        name = "actor.rejection_sampling"
+        _check(self.level in ("token", "sequence"),
+               f"{name}.level must be one of ('token', 'sequence'), got {self.level!r}")
+        _check(self.action in ("mask", "clamp"),
+               f"{name}.action must be one of ('mask', 'clamp'), got {self.action!r}")
+        # w = 1 on-policy: an upper bound at or below 1 would reject (or bend) fresh samples.
+        _check(self.upper > 1, f"{name}.upper must be > 1 (the weight of on-policy tokens is 1), "
+               f"got {self.upper}")
+        _check(self.lower is None or 0 <= self.lower < 1,
+               f"{name}.lower must be in [0, 1) or null, got {self.lower}")
+
+
+@dataclass(kw_only=True)
 class ActorConfig:
     path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
     init_from_scratch: bool = False
@@ -207,11 +244,19 @@ class ActorConfig:
     max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens (filled when loaded)
     reward_norm: Optional[NormConfig] = field(default_factory=NormConfig)
     adv_norm: Optional[NormConfig] = None
-    ppo_n_minibatches: int = 1  # optimiser steps per training batch
+    ppo_n_minibatches: int = 1  # optimiser steps per pass over a training batch
+    # Passes over each training batch (verl's name); every pass takes ppo_n_minibatches
+    # optimiser steps over the same minibatches in the same order.
+    ppo_epochs: int = 1
     # Decoupled PPO: clip policy/proximal, weight by proximal/behaviour (capped).
     use_decoupled_loss: bool = True
     recompute_logprob: bool = True  # the trainer recomputes proximal log-probs
-    behav_imp_weight_cap: Optional[float] = 5.0  # tokens above the cap are masked out
+    # Shorthand for rejection_sampling {level: token, action: mask, upper: cap}: tokens whose
+    # weight proximal/behaviour exceeds the cap are masked out. null: no filter.
+    behav_imp_weight_cap: Optional[float] = 5.0
+    # The general filter on that weight (see RejectionSamplingConfig); when set, leave
+    # behav_imp_weight_cap null.
+    rejection_sampling: Optional[RejectionSamplingConfig] = None
     # Dual-clip PPO: for A < 0 the token loss is at most -A * c_clip. None: off.
     c_clip: Optional[float] = None
     # token-mean: sum over all loss tokens / their count. seq-mean-token-mean: each sequence's
@@ -237,6 +282,7 @@ class ActorConfig:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
         _check(self.eps_clip > 0, f"actor.eps_clip must be > 0, got {self.eps_clip}")
         _check(self.ppo_n_minibatches >= 1, f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
+        _check(self.ppo_epochs >= 1, f"actor.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         _check(not (self.use_decoupled_loss and not self.recompute_logprob),
                "actor.use_decoupled_loss=true needs actor.recompute_logprob=true (the proximal "
                "log-probs are the trainer's recomputation); set one of them accordingly")
@@ -272,6 +318,35 @@ class ActorConfig:
                f"actor.kl_ctl must be >= 0 (0 turns the KL off), got {self.kl_ctl}")
         _check(self.kl_estimator in ("k1", "k2", "k3"),
                f"actor.kl_estimator must be one of ('k1', 'k2', 'k3'), got {self.kl_estimator!r}")
+        self._check_rejection_sampling()
+
+    def _check_rejection_sampling(self) -> None:
+        rs, cap = self.rejection_sampling, self.behav_imp_weight_cap
+        _check(cap is None or cap > 1,
+               f"actor.behav_imp_weight_cap must be > 1 or null (no filter), got {cap}")
+        if rs is None:
+            return
+        rs.check()
+        _check(cap is None, f"actor.behav_imp_weight_cap={cap} and actor.rejection_sampling "
+               "both set the behaviour-weight filter; set actor.behav_imp_weight_cap=null "
+               "(rejection_sampling replaces it)")
+        _check(self.use_decoupled_loss, "actor.rejection_sampling filters the proximal/behaviour "
+               "weight of the decoupled loss, but actor.use_decoupled_loss=false; set "
+               "use_decoupled_loss=true or drop rejection_sampling")
+
+    @property
+    def behav_rejection(self) -> Optional[RejectionSamplingConfig]:
+        """The filter in force on prox/behav: rejection_sampling, or the cap's shorthand."""
+        if self.rejection_sampling is not None:
+            return self.rejection_sampling
+        if self.behav_imp_weight_cap is None:
+            return None
+        return RejectionSamplingConfig(upper=self.behav_imp_weight_cap)
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimiser steps per training batch: ppo_n_minibatches in each of ppo_epochs passes."""
+        return self.ppo_n_minibatches * self.ppo_epochs
 
 
 @dataclass(kw_only=True)
@@ -398,6 +473,10 @@ class ExperimentConfig:
                        f"{self.gconfig.n_samples}; set actor.{name}.group_size=${{gconfig.n_samples}}")
             norm.check(name)  # again, now that group_size is known
         self._resolve_max_new_tokens()
+        _check(not self.rollout.dynamic_sampling or self.rollout.dynamic_filter_fn is not None
+               or self.gconfig.n_samples >= 2,
+               "rollout.dynamic_sampling=true drops groups whose rewards are all equal, and a "
+               "group of gconfig.n_samples=1 always is; raise gconfig.n_samples to >= 2")
 
     def _resolve_max_new_tokens(self) -> None:
         """actor.max_new_tokens (the overlong penalty's budget) is gconfig.max_new_tokens."""

@@ -11,6 +11,13 @@ left can still meet every deadline: nothing left due at k, and for each k < j < 
 most (j - k) * B left episodes due by j. Later deadlines are met by construction: the
 admission rule of DESIGN.md §5 allows at most (j + 1) * B episodes due by j, ever. Otherwise
 it waits for the stragglers. So every trajectory of every batch has k - start_version <= eta.
+
+Dynamic sampling (`should_accept`): an episode the filter drops is handled like one the
+workflow rejects: it leaves `running` without becoming `accepted`, which frees its slot for
+a new episode (started at the then current version, so with a later deadline). Neither the
+admission rule nor the deadline argument above counts it, so both still hold. Every
+DROP_WARN_GROUPS_PER_BATCH * B drops in a row log a warning with the counts: a reward that
+gives every sample the same score would otherwise leave the trainer waiting silently.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,9 @@ from asyncrl.api import Batch, InferenceEngine, InferenceError, Trajectory, Work
 from asyncrl.rollout.staleness import StalenessManager
 
 logger = logging.getLogger(__name__)
+
+# Warn after this many batches' worth of groups were dropped in a row (and again each time).
+DROP_WARN_GROUPS_PER_BATCH = 10
 
 
 class RolloutError(RuntimeError):
@@ -53,13 +63,15 @@ class RolloutController:
 
     def __init__(self, engine: InferenceEngine, workflow: Workflow, stream: Any, *,
                  consumer_batch_size: int, max_head_offpolicyness: int,
-                 max_concurrent_rollouts: int, max_failed_episodes: int = 16) -> None:
+                 max_concurrent_rollouts: int, max_failed_episodes: int = 16,
+                 should_accept: Callable[[list[Trajectory]], bool] | None = None) -> None:
         self.engine = engine
         self.workflow = workflow
         self.stream = stream  # an ItemStream: next(), state_dict(), load_state_dict()
         self.eta = max_head_offpolicyness
         self.batch_size = consumer_batch_size
         self.max_failed_episodes = max_failed_episodes
+        self.should_accept = should_accept  # None: keep every finished episode
         self.staleness = StalenessManager(consumer_batch_size, max_head_offpolicyness,
                                           max_concurrent_rollouts)
         self._cond = threading.Condition()  # guards everything below
@@ -69,7 +81,10 @@ class RolloutController:
         self._running: dict[int, _Running] = {}
         self._next_seq = 0
         self._failures: list[str] = []
-        self._counts = {"episodes_failed": 0, "episodes_rejected": 0, "episodes_accepted": 0}
+        self._counts = {"episodes_failed": 0, "episodes_rejected": 0, "episodes_accepted": 0,
+                        "groups_dropped_total": 0}
+        self._dropped_since_batch = 0  # groups dropped by should_accept since the last batch
+        self._dropped_in_a_row = 0  # reset by the next kept group
         self._paused = False
         self._stopping = False
         self._crash: BaseException | None = None
@@ -136,6 +151,7 @@ class RolloutController:
                 self._cond.wait(timeout=0.5)
             episodes, self._buffer = self._buffer[: self.batch_size], self._buffer[self.batch_size:]
             stats = self._batch_stats(episodes, self._version)
+            self._dropped_since_batch = 0
         self._poke()
         return Batch([t for e in episodes for t in e.trajectories]), stats
 
@@ -179,6 +195,7 @@ class RolloutController:
             "rollout/frac_truncated": sum(t.stop_reason.value == "length" for t in trajs) / len(trajs),
             "rollout/running": float(self.staleness.running),
             "rollout/buffered": float(len(self._buffer)),
+            "rollout/groups_dropped": float(self._dropped_since_batch),
             **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
         }
 
@@ -194,6 +211,7 @@ class RolloutController:
                 "buffer": list(self._buffer),
                 "next_seq": self._next_seq,
                 "counts": dict(self._counts),
+                "dropped_since_batch": self._dropped_since_batch,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -206,6 +224,7 @@ class RolloutController:
         self._buffer = list(state["buffer"])
         self._next_seq = state["next_seq"]
         self._counts.update(state["counts"])
+        self._dropped_since_batch = state.get("dropped_since_batch", 0)  # older checkpoints: 0
 
     # ---- the rollout thread ---------------------------------------------------------
     def _poke(self) -> None:
@@ -264,6 +283,8 @@ class RolloutController:
         t0 = time.monotonic()
         try:
             trajectories = await self.workflow.run(self.engine, running.item)
+            keep = bool(trajectories) and (self.should_accept is None
+                                           or bool(self.should_accept(trajectories)))
         except asyncio.CancelledError:
             raise
         except InferenceError as err:  # a broken engine: stop, naming the cause
@@ -277,7 +298,10 @@ class RolloutController:
             if not trajectories:
                 self.staleness.on_reject()
                 self._counts["episodes_rejected"] += 1
+            elif not keep:
+                self._on_drop()
             else:
+                self._dropped_in_a_row = 0
                 for t in trajectories:
                     t.meta.update(start_version=running.start_version,
                                   finish_version=self._version,
@@ -287,6 +311,20 @@ class RolloutController:
                 self._counts["episodes_accepted"] += 1
             self._cond.notify_all()
         self._wake.set()
+
+    def _on_drop(self) -> None:
+        """Dynamic sampling dropped a finished group: free its slot, count it (holding the lock)."""
+        self.staleness.on_reject()
+        self._counts["groups_dropped_total"] += 1
+        self._dropped_since_batch += 1
+        self._dropped_in_a_row += 1
+        if self._dropped_in_a_row % (DROP_WARN_GROUPS_PER_BATCH * self.batch_size) == 0:
+            logger.warning(
+                "dynamic sampling dropped the last %d finished groups in a row (%d dropped, %d "
+                "kept in total; batch size %d): every sample of a prompt gets the same reward. "
+                "Check the reward function, or raise gconfig.n_samples / temperature",
+                self._dropped_in_a_row, self._counts["groups_dropped_total"],
+                self._counts["episodes_accepted"], self.batch_size)
 
     def _on_failure(self, seq: int, running: _Running, err: Exception, *, fatal: bool = False) -> None:
         item_id = running.item.get("id", "?") if isinstance(running.item, dict) else "?"

@@ -15,18 +15,19 @@ from typing import Any
 
 from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn, mean_token_kl
 from asyncrl.algorithms.advantages import in_reward_kl_logprobs
-from asyncrl.api import Batch, TensorBatch
+from asyncrl.api import Batch
 from asyncrl.config import ActorConfig, ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
-from asyncrl.rollout import RolloutController, RolloutError, evaluate
+from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler import LocalScheduler
 from asyncrl.trainers import recover
 from asyncrl.trainers.paths import RunPaths, setup_logging
 from asyncrl.trainers.periodic import Periodic
 from asyncrl.training import FSDPTrainEngine
+from asyncrl.training.updates import train_epochs
 from asyncrl.weights import WeightPublisher
 from asyncrl.workflows import RLVRWorkflow
 
@@ -93,17 +94,21 @@ class RLTrainer:
                                                    seed=cfg.seed),
             consumer_batch_size=B, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
             max_concurrent_rollouts=cfg.rollout.concurrency,
-            max_failed_episodes=cfg.rollout.max_failed_episodes)
+            max_failed_episodes=cfg.rollout.max_failed_episodes,
+            should_accept=make_episode_filter(cfg.rollout.dynamic_sampling,
+                                              cfg.rollout.dynamic_filter_fn))
         self.valid_items = (held_out(load_dataset(cfg.valid_dataset), train_items)
                             if cfg.valid_dataset else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
-        self.actor = FSDPTrainEngine(cfg.actor, total_steps=self.total_steps, seed=cfg.seed)
+        # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
+        self.actor = FSDPTrainEngine(cfg.actor, seed=cfg.seed,
+                                     total_steps=self.total_steps * cfg.actor.updates_per_batch)
         self.actor.initialize()
         self.ref = make_ref_engine(cfg)
         if self.ref is not None:
             self.ref.initialize()
         # One optimiser step per batch: the proximal log-probs come from the training forward.
-        self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.ppo_n_minibatches == 1
+        self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.updates_per_batch == 1
         self.loss_fn = make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss)
         self.publisher = WeightPublisher(paths.weights, self.engine,
                                          dtype=cfg.local_engine.dtype, run=self.rollout.run_coroutine)
@@ -153,9 +158,8 @@ class RLTrainer:
         if self.ref is not None:
             tb.ref_logprobs = self.ref.compute_logprobs(tb)
         tb.advantages = compute_advantages(tb, actor)
-        stats: dict[str, float] = {}
-        for minibatch in _split(tb, actor.ppo_n_minibatches):
-            stats = self.actor.train_batch(minibatch, self.loss_fn)
+        stats = train_epochs(self.actor, tb, self.loss_fn, n_minibatches=actor.ppo_n_minibatches,
+                             epochs=actor.ppo_epochs)
         if self.ref is not None and not actor.use_kl_loss:
             # The in-reward KL is not in the loss: report the one the advantages used.
             stats["kl_ref"] = mean_token_kl(tb, in_reward_kl_logprobs(tb), actor.kl_estimator)
@@ -221,13 +225,6 @@ def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
                           temperature=cfg.actor.temperature,
                           init_from_scratch=cfg.actor.init_from_scratch)
     return FSDPTrainEngine(ref_cfg, total_steps=1, seed=cfg.seed)
-
-
-def _split(tb: TensorBatch, n: int) -> list[TensorBatch]:
-    """`n` minibatches of consecutive rows (groups stay together when B is a multiple)."""
-    rows = len(tb)
-    bounds = [round(i * rows / n) for i in range(n + 1)]
-    return [tb.select(list(range(a, b))) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def _throughput(batch: Batch, perf: dict[str, float]) -> dict[str, float]:

@@ -5,6 +5,10 @@ Data parallelism: every rank passes the same full batch; the engine takes its ow
 (`n_tokens`, `n_seqs`) are those of the whole batch and FSDP sums (not averages) gradients
 over ranks, so the gradient is that of the batch loss whatever the world size.
 
+`train_batch` adds `entropy`, the token mean over the loss tokens of the entropy of the
+sampling distribution (the logits at the actor's temperature), computed without gradient
+inside the chunked vocabulary projection.
+
 Loss-function stats are per-micro-batch contributions to batch-level numbers and are
 summed over micro-batches and ranks, except keys ending in `_max` / `_min` (max / min).
 A loss function reporting a batch mean should therefore divide by the batch's `n_tokens`,
@@ -55,36 +59,64 @@ class TokenLogprobModel(nn.Module):
         self.temperature = temperature
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                targets: torch.Tensor) -> torch.Tensor:
-        """[B, T] fp32 log-probs where `targets` (bool [B, T]) is True, 0 elsewhere."""
+                targets: torch.Tensor, with_entropy: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] fp32 log-probs where `targets` (bool [B, T]) is True, 0 elsewhere.
+
+        `with_entropy`: also the entropy of the sampling distribution (logits / T) at those
+        positions, [B, T], without gradient.
+        """
         out = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                     use_cache=False)
         chosen = targets[:, 1:]  # token t is predicted by the hidden state at t - 1
         hidden = out.last_hidden_state[:, :-1][chosen]
         tokens = input_ids[:, 1:][chosen]
-        logprobs = self._logprobs(hidden, tokens)
-        flat = torch.zeros(chosen.shape, dtype=torch.float32, device=input_ids.device)
-        return nn.functional.pad(flat.masked_scatter(chosen, logprobs), (1, 0))
+        parts = self._logprobs(hidden, tokens, with_entropy)
+        placed = [_place(chosen, values) for values in parts]
+        return tuple(placed) if with_entropy else placed[0]
 
-    def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                  with_entropy: bool) -> list[torch.Tensor]:
+        """[log-probs] or [log-probs, entropies] of the chosen positions, chunk by chunk."""
         vocab = self.hf.get_output_embeddings().weight.shape[0]
         chunk = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
         if hidden.shape[0] <= chunk:
-            return self._chunk_logprobs(hidden, tokens)
+            return list(self._chunk_logprobs(hidden, tokens, with_entropy))
         parts = []
         for h, tok in zip(hidden.split(chunk), tokens.split(chunk)):
             if torch.is_grad_enabled():
-                parts.append(recompute_in_backward(self._chunk_logprobs, h, tok,
+                parts.append(recompute_in_backward(self._chunk_logprobs, h, tok, with_entropy,
                                                    use_reentrant=False))
             else:
-                parts.append(self._chunk_logprobs(h, tok))
-        return torch.cat(parts)
+                parts.append(self._chunk_logprobs(h, tok, with_entropy))
+        return [torch.cat(column) for column in zip(*parts)]
 
-    def _chunk_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _chunk_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                        with_entropy: bool) -> tuple[torch.Tensor, ...]:
         logits = self.hf.get_output_embeddings()(hidden).float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        lse = logits.logsumexp(-1)
+        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
+        if not with_entropy:
+            return (logprobs,)
+        return logprobs, _entropy(logits.detach(), lse.detach())
+
+
+def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """-sum_v p_v log p_v of softmax(logits) per row, as lse - sum_v p_v z_v (sum p = 1).
+
+    In place on one chunk-sized temporary, so the peak memory grows by one chunk at most.
+    """
+    with torch.no_grad():
+        p = (logits - lse[:, None]).exp_()
+        return lse - p.mul_(logits).sum(-1)
+
+
+def _place(chosen: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-position values back to [B, T]: 0 where not chosen and at position 0."""
+    flat = torch.zeros(chosen.shape, dtype=torch.float32, device=values.device)
+    return nn.functional.pad(flat.masked_scatter(chosen, values), (1, 0))
 
 
 def _check_no_dropout(config: Any) -> None:
@@ -263,8 +295,11 @@ class FSDPTrainEngine:
         micro_batches = self._my_micro_batches(batch)
         for rows, real in micro_batches:
             mb = to_device(batch.select(rows), self.device)
-            logprobs = model(mb.input_ids, mb.attention_mask, _targets_loss(mb))
+            logprobs, entropy = model(mb.input_ids, mb.attention_mask, _targets_loss(mb),
+                                      with_entropy=True)
             loss, stats = loss_fn(logprobs, mb, n_tokens=n_tokens, n_seqs=n_seqs)
+            # The policy's token entropy over the loss tokens: its share of the batch mean.
+            stats["entropy"] = float((entropy * mb.loss_mask).sum()) / max(n_tokens, 1)
             if not real:
                 loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
             loss.backward()
