@@ -21,6 +21,11 @@ CPU_CONFIGS = sorted(EXAMPLES.glob("gsm8k_*_cpu.yaml"))
 # Stats that show the algorithm's own part ran, beyond the PPO loss every config has.
 EXPECTED_STATS = {
     "gsm8k_reinforce_pp_cpu.yaml": ["train/kl_ref"],
+    "gsm8k_dapo_cpu.yaml": ["rollout/groups_dropped", "rollout/groups_dropped_total"],
+}
+# Sizes that must shrink with the test's 12-token budget.
+EXTRA_OVERRIDES = {
+    "gsm8k_dapo_cpu.yaml": ["actor.overlong_tokens=4"],
 }
 
 
@@ -58,13 +63,14 @@ def test_cpu_example_runs_two_async_steps(tmp_path, tiny_model, toy_gsm8k, confi
         "workflow.reward_fn=toy_rewards:text_hash", "workflow.system_prompt=null",
         "stats_logger.progress_bar=false", "stats_logger.plot=false",
         "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
+        *EXTRA_OVERRIDES.get(config.name, []),
     ])
     summary = train(cfg)
     rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl")
             if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["train/grad_norm"] > 0
+        assert r["train/grad_norm"] > 0 and r["train/entropy"] > 0
         assert r["rollout/staleness_max"] <= cfg.rollout.max_head_offpolicyness
         for key in EXPECTED_STATS.get(config.name, []):
             assert key in r, f"{config.name}: {key} missing from the step's stats"
