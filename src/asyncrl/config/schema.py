@@ -226,6 +226,11 @@ class ActorConfig:
     # before normalisation (AReaL/verl in-reward KL). true: + kl_ctl * agg(kl_t) in the loss
     # (GRPO, verl use_kl_loss), with gradient through the policy log-probs.
     use_kl_loss: bool = False
+    # GAE (Schulman et al. 2015): the reward discount gamma and the bias/variance trade-off
+    # lambda, over the completion tokens. With a critic, advantages are GAE over its values;
+    # without, over values of 0 (gamma = lambda = 1 is the sequence reward on every token).
+    discount: float = 1.0
+    gae_lambda: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
@@ -265,6 +270,9 @@ class ActorConfig:
                f"actor.kl_ctl must be >= 0 (0 turns the KL off), got {self.kl_ctl}")
         _check(self.kl_estimator in ("k1", "k2", "k3"),
                f"actor.kl_estimator must be one of ('k1', 'k2', 'k3'), got {self.kl_estimator!r}")
+        for key in ("discount", "gae_lambda"):
+            value = getattr(self, key)
+            _check(0 <= value <= 1, f"actor.{key} must be in [0, 1], got {value}")
 
 
 @dataclass(kw_only=True)
@@ -274,6 +282,35 @@ class RefConfig:
     path: str = "${actor.path}"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype of its forward
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """The value model of PPO with a critic (`critic:`; null, the default, runs without one).
+
+    It is `path`'s decoder with a fresh scalar head (HF `...ForTokenClassification`,
+    num_labels 1, seeded by `seed`), trained on the returns of GAE (actor.discount,
+    actor.gae_lambda). A critic saved by a run is an HF folder it can start from.
+    """
+
+    path: str = "${actor.path}"
+    init_from_scratch: bool = False
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    gradient_checkpointing: bool = False
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # Value clipping (AReaL's critic.eps_clip): the clipped prediction is
+    # V_old + clip(V - V_old, -eps_clip, eps_clip); the loss is the worse of the two
+    # squared errors. null: no value clipping.
+    eps_clip: Optional[float] = 0.5
+    ppo_n_minibatches: Optional[int] = None  # optimiser steps per batch; null: the actor's
+
+    def __post_init__(self) -> None:
+        _check(self.eps_clip is None or self.eps_clip > 0,
+               f"critic.eps_clip must be > 0 or null (no value clipping), got {self.eps_clip}")
+        _check(self.ppo_n_minibatches is None or self.ppo_n_minibatches >= 1,
+               f"critic.ppo_n_minibatches must be >= 1 or null (the actor's), "
+               f"got {self.ppo_n_minibatches}")
 
 
 @dataclass(kw_only=True)
@@ -362,6 +399,7 @@ class ExperimentConfig:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)  # used only when actor.kl_ctl > 0
+    critic: Optional[CriticConfig] = None  # PPO with a value model; `critic: {}` for defaults
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: Optional[DatasetConfig] = None
@@ -391,6 +429,8 @@ class ExperimentConfig:
                        f"{self.gconfig.n_samples}; set actor.{name}.group_size=${{gconfig.n_samples}}")
             norm.check(name)  # again, now that group_size is known
         self._resolve_max_new_tokens()
+        if self.critic is not None and self.critic.ppo_n_minibatches is None:
+            self.critic.ppo_n_minibatches = self.actor.ppo_n_minibatches
 
     def _resolve_max_new_tokens(self) -> None:
         """actor.max_new_tokens (the overlong penalty's budget) is gconfig.max_new_tokens."""

@@ -64,3 +64,10 @@ def to_device(batch: TensorBatch, device: torch.device) -> TensorBatch:
     """The same batch with every tensor on `device`."""
     moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     return TensorBatch(**{k: v.to(device) if v is not None else None for k, v in moved.items()})
+
+
+def split_minibatches(batch: TensorBatch, n: int) -> list[TensorBatch]:
+    """`n` minibatches of consecutive rows (groups stay together when B is a multiple)."""
+    rows = len(batch)
+    bounds = [round(i * rows / n) for i in range(n + 1)]
+    return [batch.select(list(range(a, b))) for a, b in zip(bounds, bounds[1:]) if b > a]
