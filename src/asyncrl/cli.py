@@ -1,4 +1,4 @@
-"""`asyncrl train | serve | quickstart`."""
+"""`asyncrl train | rm | serve | quickstart`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ def _train(args: argparse.Namespace) -> int:
     summary = train(cfg)
     print_summary(summary)
     return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    """`asyncrl rm`: reward-model training (the same as python -m asyncrl.trainers.rm)."""
+    from asyncrl.trainers.rm import main as rm_main
+
+    return rm_main((["--config", args.config] if args.config else []) + list(args.overrides))
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -106,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML config file (else defaults + overrides)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optimizer.lr=1e-6")
     p.set_defaults(func=_train)
+    p = sub.add_parser("rm", help="train a reward model on prompt/chosen/rejected JSONL")
+    p.add_argument("--config", default=None, help="YAML config file (else defaults + overrides)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=...")
+    p.set_defaults(func=_rm)
     p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart recipe")
     p.set_defaults(func=_quickstart)

@@ -1,4 +1,5 @@
-"""Load an `ExperimentConfig` from YAML plus dotted `key=value` overrides.
+"""Load an experiment config (`ExperimentConfig`, or another trainer's schema such as
+`SFTConfig`) from YAML plus dotted `key=value` overrides.
 
 Unknown keys and bad values are errors that name the key and suggest the nearest valid
 one; `${...}` interpolations are resolved; `__post_init__` checks run on every component.
@@ -9,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, ValidationError
 
 from asyncrl.config.schema import ExperimentConfig
+
+Config = TypeVar("Config")
 
 
 class ConfigError(ValueError):
@@ -57,9 +60,10 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Defaults <- YAML file <- overrides, resolved and validated."""
-    cfg = OmegaConf.structured(ExperimentConfig)
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                schema: type[Config] = ExperimentConfig) -> Config:
+    """`schema`'s defaults <- YAML file <- overrides, resolved and validated."""
+    cfg = OmegaConf.structured(schema)
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -77,6 +81,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(str(err)) from None
 
 
-def to_yaml(cfg: ExperimentConfig) -> str:
+def to_yaml(cfg: Any) -> str:
     """The fully resolved config, as YAML (written into each run directory)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -334,12 +334,22 @@ class DatasetConfig:
 class WorkflowConfig:
     type: Literal["rlvr"] = "rlvr"
     # "gsm8k" (math-verify on "#### N" or \boxed{}), "reasoning_gym" (the task's own scorer),
-    # or "package.module:function" taking (completion, item) -> float.
+    # "reward_model" (a model trained by `asyncrl rm`, at reward_model_path), or
+    # "package.module:function" taking (completion, item) -> float.
     reward_fn: str = "gsm8k"
+    reward_model_path: Optional[str] = None  # only with reward_fn: reward_model
     reward_timeout: float = 15.0  # seconds; a reward that takes longer counts as failed
     system_prompt: Optional[str] = None
     # Worked examples shown before the question, as chat turns (one-shot prompting).
     few_shot: list[dict[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        uses_model = self.reward_fn == "reward_model"
+        _check(uses_model == bool(self.reward_model_path),
+               "workflow.reward_fn=reward_model needs workflow.reward_model_path (a folder "
+               "written by `asyncrl rm`)" if uses_model else
+               f"workflow.reward_model_path is set but workflow.reward_fn={self.reward_fn!r}; "
+               "set reward_fn=reward_model or drop reward_model_path")
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,10 @@ from asyncrl.training.microbatch import (
     split_by_token_budget,
     split_minibatches,
 )
+from asyncrl.training.reward import FSDPRewardEngine, RewardModel
 from asyncrl.training.value import FSDPValueEngine, ValueModel
 
-__all__ = ["FSDPTrainEngine", "FSDPValueEngine", "TokenLogprobModel", "ValueModel",
+__all__ = ["FSDPRewardEngine", "FSDPTrainEngine", "FSDPValueEngine", "RewardModel",
+           "TokenLogprobModel", "ValueModel",
            "plan_micro_batches", "split_across_ranks", "split_by_token_budget",
            "split_minibatches"]
