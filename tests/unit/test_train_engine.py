@@ -295,7 +295,7 @@ def test_entropy_matches_a_full_softmax_over_the_vocabulary(tiny_path, monkeypat
     # holds the entropy of the distribution token t was sampled from.
     logp = torch.log_softmax(logits[:, :-1] / 0.7, -1)
     expected = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0)) * batch.loss_mask
-    targets = engine_module._targets_loss(batch)
+    targets = engine_module.targets_loss(batch)
     _, entropy = engine.model(batch.input_ids, batch.attention_mask, targets, with_entropy=True)
     torch.testing.assert_close(entropy.detach(), expected, atol=1e-5, rtol=1e-5)
     # The step reports the token mean over the loss tokens (of the weights before the step).
@@ -310,7 +310,7 @@ def test_logprobs_with_entropy_equal_those_without(tiny_path, monkeypatch):
     monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", 3 * 320)  # recomputed chunks
     engine = make_engine(tiny_path)
     batch = make_batch()
-    targets = engine_module._targets_loss(batch)
+    targets = engine_module.targets_loss(batch)
     weight = engine.model.hf.lm_head.weight
     results = []
     for with_entropy in (False, True):

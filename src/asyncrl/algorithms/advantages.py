@@ -1,4 +1,4 @@
-"""Reward shaping, normalisation and GRPO advantages.
+"""Reward shaping, normalisation, GRPO advantages and GAE.
 
 Rows of a batch are contiguous groups of `group_size` samples of one prompt. Standard
 deviations are population ones (divide by n, not n - 1), as in AReaL: a group of two
@@ -139,13 +139,12 @@ def in_reward_kl_logprobs(batch: TensorBatch) -> torch.Tensor:
     return batch.prox_logprobs if batch.prox_logprobs is not None else batch.behavior_logprobs
 
 
-def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
-    """GRPO advantages [B, T]: shaped, normalised rewards on every loss token, 0 elsewhere.
+def sequence_rewards(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
+    """[B] rewards after the overlong penalty, shaping, in-reward KL and `reward_norm`.
 
     Steps: optional overlong penalty on the raw reward -> (r + reward_bias) * reward_scaling
     -> optional clip to [-reward_clip, reward_clip] -> in-reward KL (kl_ctl > 0 and not
-    use_kl_loss): minus kl_ctl * the sequence's summed token KL -> `reward_norm` over rows ->
-    broadcast to the loss tokens -> optional `adv_norm` over the loss tokens.
+    use_kl_loss): minus kl_ctl * the sequence's summed token KL -> `reward_norm` over rows.
     """
     mask = (batch.loss_mask > 0).float()
     rewards = batch.rewards.float()
@@ -158,7 +157,68 @@ def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
         rewards = rewards - cfg.kl_ctl * kl
     if cfg.reward_norm is not None:
         rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm")
-    advantages = rewards[:, None] * mask
+    return rewards
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each row's reward on its last loss token, 0 elsewhere (and on rows without any)."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, positions, -1).max(-1).values  # -1: no loss token
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = rewards[rows]
+    return out
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+        discount: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each row's loss tokens; (advantages, returns).
+
+    The loss tokens of a row are its time steps, in order; positions off the mask (prompt,
+    padding, tool output between turns) are skipped, so the step after loss token t is the
+    next loss token. After the last one the episode ends (V = 0). Backward over steps:
+    delta_t = r_t + discount * V_next - V_t, A_t = delta_t + discount * gae_lambda * A_next,
+    and the return (the critic's target) is R_t = A_t + V_t. Both are 0 off the mask.
+    """
+    on = mask > 0
+    cols = torch.nonzero(on.any(0)).squeeze(-1)
+    advantages = torch.zeros_like(token_rewards)
+    next_value = token_rewards.new_zeros(token_rewards.shape[0])
+    next_adv = token_rewards.new_zeros(token_rewards.shape[0])
+    for t in reversed(cols.tolist()):  # columns without any loss token cannot change anything
+        delta = token_rewards[:, t] + discount * next_value - values[:, t]
+        adv = delta + discount * gae_lambda * next_adv
+        advantages[:, t] = torch.where(on[:, t], adv, 0.0)
+        next_value = torch.where(on[:, t], values[:, t], next_value)
+        next_adv = torch.where(on[:, t], adv, next_adv)
+    return advantages, (advantages + values) * on
+
+
+def compute_advantages_and_returns(batch: TensorBatch,
+                                   cfg: ActorConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Advantages [B, T] (0 off the loss tokens) and, with a critic, its GAE returns [B, T].
+
+    The sequence reward (`sequence_rewards`) is the reward of the last loss token. With the
+    critic's `batch.values`, or discount / gae_lambda below 1, advantages are GAE over the
+    values (0 without a critic); otherwise every loss token gets the sequence reward (what
+    GAE gives for V = 0, discount = gae_lambda = 1, without its loop). `adv_norm` then
+    normalises the advantages over the loss tokens; the returns are taken before it.
+    """
+    mask = (batch.loss_mask > 0).float()
+    rewards = sequence_rewards(batch, cfg)
+    returns = None
+    if batch.values is None and cfg.discount == 1 and cfg.gae_lambda == 1:
+        advantages = rewards[:, None] * mask
+    else:
+        values = torch.zeros_like(mask) if batch.values is None else batch.values.float() * mask
+        advantages, gae_returns = gae(last_token_rewards(rewards, mask), values, mask,
+                                      discount=cfg.discount, gae_lambda=cfg.gae_lambda)
+        returns = None if batch.values is None else gae_returns
     if cfg.adv_norm is not None:
         advantages = _normalize_with(advantages, cfg.adv_norm, "adv_norm", mask=mask)
-    return advantages
+    return advantages, returns
+
+
+def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
+    """The advantages of `compute_advantages_and_returns` (GRPO: the broadcast reward)."""
+    return compute_advantages_and_returns(batch, cfg)[0]

@@ -184,6 +184,10 @@ class TensorBatch:
     advantages: torch.Tensor | None = None  # [B, T] float32, set by the algorithm
     prox_logprobs: torch.Tensor | None = None  # [B, T] float32, set by the trainer
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32, the reference model's (KL)
+    # The critic's V of the state before token t (aligned like the log-probs), and the
+    # GAE returns it is trained towards: [B, T] float32, 0 off the loss tokens.
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -3,6 +3,7 @@
 from asyncrl.config.loader import ConfigError, load_config, to_yaml
 from asyncrl.config.schema import (
     ActorConfig,
+    CriticConfig,
     DatasetConfig,
     ExperimentConfig,
     GenerationConfig,
@@ -16,8 +17,7 @@ from asyncrl.config.schema import (
 )
 
 __all__ = [
-    "ActorConfig", "ConfigError", "DatasetConfig", "ExperimentConfig", "GenerationConfig",
-    "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig",
-    "RolloutConfig",
-    "WorkflowConfig", "load_config", "to_yaml",
+    "ActorConfig", "ConfigError", "CriticConfig", "DatasetConfig", "ExperimentConfig",
+    "GenerationConfig", "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
+    "RefConfig", "RolloutConfig", "WorkflowConfig", "load_config", "to_yaml",
 ]

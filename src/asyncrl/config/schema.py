@@ -277,6 +277,11 @@ class ActorConfig:
     # before normalisation (AReaL/verl in-reward KL). true: + kl_ctl * agg(kl_t) in the loss
     # (GRPO, verl use_kl_loss), with gradient through the policy log-probs.
     use_kl_loss: bool = False
+    # GAE (Schulman et al. 2015): the reward discount gamma and the bias/variance trade-off
+    # lambda, over the completion tokens. With a critic, advantages are GAE over its values;
+    # without, over values of 0 (gamma = lambda = 1 is the sequence reward on every token).
+    discount: float = 1.0
+    gae_lambda: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
@@ -318,6 +323,9 @@ class ActorConfig:
                f"actor.kl_ctl must be >= 0 (0 turns the KL off), got {self.kl_ctl}")
         _check(self.kl_estimator in ("k1", "k2", "k3"),
                f"actor.kl_estimator must be one of ('k1', 'k2', 'k3'), got {self.kl_estimator!r}")
+        for key in ("discount", "gae_lambda"):
+            value = getattr(self, key)
+            _check(0 <= value <= 1, f"actor.{key} must be in [0, 1], got {value}")
         self._check_rejection_sampling()
 
     def _check_rejection_sampling(self) -> None:
@@ -359,6 +367,35 @@ class RefConfig:
 
 
 @dataclass(kw_only=True)
+class CriticConfig:
+    """The value model of PPO with a critic (`critic:`; null, the default, runs without one).
+
+    It is `path`'s decoder with a fresh scalar head (HF `...ForTokenClassification`,
+    num_labels 1, seeded by `seed`), trained on the returns of GAE (actor.discount,
+    actor.gae_lambda). A critic saved by a run is an HF folder it can start from.
+    """
+
+    path: str = "${actor.path}"
+    init_from_scratch: bool = False
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    gradient_checkpointing: bool = False
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # Value clipping (AReaL's critic.eps_clip): the clipped prediction is
+    # V_old + clip(V - V_old, -eps_clip, eps_clip); the loss is the worse of the two
+    # squared errors. null: no value clipping.
+    eps_clip: Optional[float] = 0.5
+    ppo_n_minibatches: Optional[int] = None  # optimiser steps per batch; null: the actor's
+
+    def __post_init__(self) -> None:
+        _check(self.eps_clip is None or self.eps_clip > 0,
+               f"critic.eps_clip must be > 0 or null (no value clipping), got {self.eps_clip}")
+        _check(self.ppo_n_minibatches is None or self.ppo_n_minibatches >= 1,
+               f"critic.ppo_n_minibatches must be >= 1 or null (the actor's), "
+               f"got {self.ppo_n_minibatches}")
+
+
+@dataclass(kw_only=True)
 class DatasetConfig:
     # A local JSONL file or folder of JSONL files (GSM8K format: question / answer with
     # "#### N"), an HF dataset id, or "reasoning_gym:<task>" for a generated offline task.
@@ -379,12 +416,22 @@ class DatasetConfig:
 class WorkflowConfig:
     type: Literal["rlvr"] = "rlvr"
     # "gsm8k" (math-verify on "#### N" or \boxed{}), "reasoning_gym" (the task's own scorer),
-    # or "package.module:function" taking (completion, item) -> float.
+    # "reward_model" (a model trained by `asyncrl rm`, at reward_model_path), or
+    # "package.module:function" taking (completion, item) -> float.
     reward_fn: str = "gsm8k"
+    reward_model_path: Optional[str] = None  # only with reward_fn: reward_model
     reward_timeout: float = 15.0  # seconds; a reward that takes longer counts as failed
     system_prompt: Optional[str] = None
     # Worked examples shown before the question, as chat turns (one-shot prompting).
     few_shot: list[dict[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        uses_model = self.reward_fn == "reward_model"
+        _check(uses_model == bool(self.reward_model_path),
+               "workflow.reward_fn=reward_model needs workflow.reward_model_path (a folder "
+               "written by `asyncrl rm`)" if uses_model else
+               f"workflow.reward_model_path is set but workflow.reward_fn={self.reward_fn!r}; "
+               "set reward_fn=reward_model or drop reward_model_path")
 
 
 @dataclass(kw_only=True)
@@ -444,6 +491,7 @@ class ExperimentConfig:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)  # used only when actor.kl_ctl > 0
+    critic: Optional[CriticConfig] = None  # PPO with a value model; `critic: {}` for defaults
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: Optional[DatasetConfig] = None
@@ -477,6 +525,8 @@ class ExperimentConfig:
                or self.gconfig.n_samples >= 2,
                "rollout.dynamic_sampling=true drops groups whose rewards are all equal, and a "
                "group of gconfig.n_samples=1 always is; raise gconfig.n_samples to >= 2")
+        if self.critic is not None and self.critic.ppo_n_minibatches is None:
+            self.critic.ppo_n_minibatches = self.actor.ppo_n_minibatches
 
     def _resolve_max_new_tokens(self) -> None:
         """actor.max_new_tokens (the overlong penalty's budget) is gconfig.max_new_tokens."""

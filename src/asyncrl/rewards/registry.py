@@ -14,13 +14,24 @@ BUILTIN_REWARDS = {
 }
 
 
-def resolve_reward_fn(name: str) -> RewardFn:
-    """The reward function called `name`: a built-in name or "package.module:function"."""
+REWARD_MODEL = "reward_model"  # a trained reward model, at `reward_model_path`
+
+
+def resolve_reward_fn(name: str, *, reward_model_path: str | None = None) -> RewardFn:
+    """The reward function called `name`: a built-in name, "package.module:function", or
+    "reward_model" (scoring with the reward model at `reward_model_path`)."""
+    if name == REWARD_MODEL:
+        if not reward_model_path:
+            raise ValueError("reward_fn 'reward_model' needs workflow.reward_model_path (a "
+                             "folder written by `asyncrl rm`)")
+        from asyncrl.rewards.reward_model import RewardModelScorer
+
+        return RewardModelScorer(reward_model_path)
     spec = BUILTIN_REWARDS.get(name, name)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"unknown reward_fn {name!r}: use one of {sorted(BUILTIN_REWARDS)} "
-                         "or 'package.module:function'")
+        raise ValueError(f"unknown reward_fn {name!r}: use one of "
+                         f"{sorted([*BUILTIN_REWARDS, REWARD_MODEL])} or 'package.module:function'")
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -1,6 +1,7 @@
 """Exact resume: the whole asynchronous state, written atomically.
 
-A recover checkpoint holds the model, optimiser and scheduler (the train engine's state),
+A recover checkpoint holds the model, optimiser and scheduler (the train engines' state:
+the actor's, and the critic's when there is one),
 the rollout state (staleness counters, data position, finished episodes not yet trained on
 and the items of episodes in flight, which are run again), and the trainer's counters.
 It is written to a temporary folder and renamed, so a crash mid-write leaves the last
@@ -30,13 +31,15 @@ def has_checkpoint(root: Path) -> bool:
 
 
 def save_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutController,
-                    trainer_state: dict[str, Any]) -> None:
+                    trainer_state: dict[str, Any], critic: TrainEngine | None = None) -> None:
     """Write a complete checkpoint to `root` (replacing the previous one)."""
     root = Path(root)
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     actor.save_state(str(tmp / "actor"))
+    if critic is not None:
+        critic.save_state(str(tmp / "critic"))
     with open(tmp / "rollout.pkl", "wb") as f:
         pickle.dump(rollout.state_dict(), f)
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -52,12 +55,19 @@ def save_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutControlle
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutController) -> dict[str, Any]:
-    """Restore `actor` and `rollout` from `root`; returns the trainer's counters."""
+def load_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutController,
+                    critic: TrainEngine | None = None) -> dict[str, Any]:
+    """Restore `actor`, `critic` and `rollout` from `root`; returns the trainer's counters."""
     root = Path(root)
     if not has_checkpoint(root):
         raise FileNotFoundError(f"no complete recover checkpoint in {root}")
+    if critic is not None and not (root / "critic").is_dir():
+        raise FileNotFoundError(f"the recover checkpoint in {root} has no critic state (it was "
+                                "written by a run without `critic`); start a fresh trial or "
+                                "drop the critic section")
     actor.load_state(str(root / "actor"))
+    if critic is not None:
+        critic.load_state(str(root / "critic"))
     with open(root / "rollout.pkl", "rb") as f:
         rollout.load_state_dict(pickle.load(f))
     with open(root / "rng.pkl", "rb") as f:

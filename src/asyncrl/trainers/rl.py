@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn, mean_token_kl
+from asyncrl.algorithms import compute_advantages_and_returns, make_ppo_loss_fn, mean_token_kl
 from asyncrl.algorithms.advantages import in_reward_kl_logprobs
 from asyncrl.api import Batch
 from asyncrl.config import ActorConfig, ExperimentConfig, to_yaml
@@ -24,6 +24,7 @@ from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_cur
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler import LocalScheduler
 from asyncrl.trainers import recover
+from asyncrl.trainers.critic import Critic
 from asyncrl.trainers.paths import RunPaths, setup_logging
 from asyncrl.trainers.periodic import Periodic
 from asyncrl.training import FSDPTrainEngine
@@ -107,6 +108,7 @@ class RLTrainer:
         self.ref = make_ref_engine(cfg)
         if self.ref is not None:
             self.ref.initialize()
+        self.critic = Critic.from_config(cfg, self.total_steps)  # None: no value model
         # One optimiser step per batch: the proximal log-probs come from the training forward.
         self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.updates_per_batch == 1
         self.loss_fn = make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss)
@@ -157,21 +159,26 @@ class RLTrainer:
         actor = self.cfg.actor
         if self.ref is not None:
             tb.ref_logprobs = self.ref.compute_logprobs(tb)
-        tb.advantages = compute_advantages(tb, actor)
+        if self.critic is not None:
+            tb.values = self.critic.compute_values(tb)
+        tb.advantages, tb.returns = compute_advantages_and_returns(tb, actor)
         stats = train_epochs(self.actor, tb, self.loss_fn, n_minibatches=actor.ppo_n_minibatches,
                              epochs=actor.ppo_epochs)
         if self.ref is not None and not actor.use_kl_loss:
             # The in-reward KL is not in the loss: report the one the advantages used.
             stats["kl_ref"] = mean_token_kl(tb, in_reward_kl_logprobs(tb), actor.kl_estimator)
-        return {f"train/{k}": v for k, v in stats.items()}
+        critic_stats = self.critic.train(tb) if self.critic is not None else {}
+        return {f"train/{k}": v for k, v in stats.items()} | critic_stats
 
     def _periodic(self, step: int) -> None:
         now = time.monotonic()
         if self.saver.due(step, now) or (step == self.total_steps and self.saver.enabled):
             self.actor.save_hf(str(self.paths.checkpoints / f"step{step}"))
+            if self.critic is not None:
+                self.critic.engine.save_hf(str(self.paths.checkpoints / f"step{step}_critic"))
         if self.cfg.recover.mode != "disabled" and self.checkpointer.due(step, now):
             recover.save_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout,
-                                    trainer_state={"step": step})
+                                    trainer_state={"step": step}, critic=self._critic_engine)
         if self.valid_items and self.evaluator.due(step, now) and step < self.total_steps:
             self._evaluate(step, f"eval_step{step}")
 
@@ -189,10 +196,15 @@ class RLTrainer:
         mode = self.cfg.recover.mode
         if mode == "disabled" or (mode == "auto" and not recover.has_checkpoint(self.paths.recover)):
             return 0
-        state = recover.load_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout)
+        state = recover.load_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout,
+                                        critic=self._critic_engine)
         step = state["step"]
         logger.info("resumed from %s at step %d", self.paths.recover, step)
         return step
+
+    @property
+    def _critic_engine(self) -> FSDPTrainEngine | None:
+        return self.critic.engine if self.critic is not None else None
 
     def _finish(self) -> None:
         self.stats.close()
@@ -207,8 +219,9 @@ class RLTrainer:
         self.rollout.stop()
         self.workflow.reward.close()
         self.stats.close()
-        if self.ref is not None:
-            self.ref.destroy()  # before the actor, which owns the process group
+        for engine in (self.ref, self._critic_engine):
+            if engine is not None:
+                engine.destroy()  # before the actor, which owns the process group
         self.actor.destroy()
 
 

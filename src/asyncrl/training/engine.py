@@ -127,16 +127,16 @@ def _check_no_dropout(config: Any) -> None:
                              f"the inference engine's, which has no dropout; set {name} to 0")
 
 
-def _targets_all(mb: TensorBatch) -> torch.Tensor:
+def targets_all(mb: TensorBatch) -> torch.Tensor:
     """Every real token after the first (the first has no context to be predicted from)."""
     targets = mb.attention_mask.clone()
     targets[:, 0] = False
     return targets
 
 
-def _targets_loss(mb: TensorBatch) -> torch.Tensor:
+def targets_loss(mb: TensorBatch) -> torch.Tensor:
     """Loss tokens only: the ones any loss over `loss_mask` reads."""
-    return _targets_all(mb) & (mb.loss_mask > 0)
+    return targets_all(mb) & (mb.loss_mask > 0)
 
 
 _COMBINE = {"sum": float.__add__, "max": max, "min": min}
@@ -180,7 +180,7 @@ class FSDPTrainEngine:
         self.total_steps = total_steps
         self.seed = seed
         self.steps_done = 0  # optimiser steps taken (restored by load_state)
-        self.model: TokenLogprobModel | None = None
+        self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.rank, self.world_size = 0, 1
@@ -207,10 +207,14 @@ class FSDPTrainEngine:
             # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
             hf_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = TokenLogprobModel(hf_model, self.cfg.temperature)
+        self.model = self._wrap(hf_model)
         self._shard(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, self.cfg.optimizer, self.total_steps)
+
+    def _wrap(self, hf_model: nn.Module) -> nn.Module:
+        """The FSDP root around the HF model: its forward gives one number per chosen token."""
+        return TokenLogprobModel(hf_model, self.cfg.temperature)
 
     def _load_hf_model(self, path: str) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -220,7 +224,7 @@ class FSDPTrainEngine:
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
-    def _shard(self, model: TokenLogprobModel) -> None:
+    def _shard(self, model: nn.Module) -> None:
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         if self.cfg.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -248,7 +252,7 @@ class FSDPTrainEngine:
             dist.destroy_process_group()
         self._owns_process_group = False
 
-    def _require_model(self) -> TokenLogprobModel:
+    def _require_model(self) -> nn.Module:
         if self.model is None:
             raise RuntimeError("FSDPTrainEngine is not initialised; call initialize() first")
         return self.model
@@ -265,17 +269,21 @@ class FSDPTrainEngine:
         n = max(len(p) for p in plans)
         return [(mine[i], True) if i < len(mine) else (mine[0], False) for i in range(n)]
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TensorBatch) -> torch.Tensor:
         """Token-aligned log-probs [B, T] (fp32, CPU); position 0 and padding hold 0."""
+        return self._forward_all(batch)
+
+    @torch.no_grad()
+    def _forward_all(self, batch: TensorBatch) -> torch.Tensor:
+        """The root's per-token output [B, T] on every real token after the first (fp32, CPU)."""
         model = self._require_model()
         model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         for rows, real in self._my_micro_batches(batch):
             mb = to_device(batch.select(rows), self.device)
-            logprobs = model(mb.input_ids, mb.attention_mask, _targets_all(mb))
+            per_token = model(mb.input_ids, mb.attention_mask, targets_all(mb))
             if real:
-                out[torch.as_tensor(rows, device=self.device), : logprobs.shape[1]] = logprobs
+                out[torch.as_tensor(rows, device=self.device), : per_token.shape[1]] = per_token
         if self.world_size > 1:
             dist.all_reduce(out)  # each row is non-zero on exactly one rank
         return out.cpu()
@@ -283,8 +291,9 @@ class FSDPTrainEngine:
     def train_batch(self, batch: TensorBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimiser step on `batch`.
 
-        `loss_fn` gets log-probs on the batch's loss tokens only (0 elsewhere): the
-        vocabulary projection is skipped on prompt tokens.
+        `loss_fn` gets the root's output on the batch's loss tokens only (0 elsewhere):
+        log-probs for a policy (the vocabulary projection is skipped on prompt tokens),
+        values for a critic (`FSDPValueEngine`).
         """
         model = self._require_model()
         model.train()  # HF runs activation checkpointing in train mode only
@@ -295,11 +304,9 @@ class FSDPTrainEngine:
         micro_batches = self._my_micro_batches(batch)
         for rows, real in micro_batches:
             mb = to_device(batch.select(rows), self.device)
-            logprobs, entropy = model(mb.input_ids, mb.attention_mask, _targets_loss(mb),
-                                      with_entropy=True)
-            loss, stats = loss_fn(logprobs, mb, n_tokens=n_tokens, n_seqs=n_seqs)
-            # The policy's token entropy over the loss tokens: its share of the batch mean.
-            stats["entropy"] = float((entropy * mb.loss_mask).sum()) / max(n_tokens, 1)
+            out, forward_stats = self._train_forward(model, mb, n_tokens)
+            loss, stats = loss_fn(out, mb, n_tokens=n_tokens, n_seqs=n_seqs)
+            stats |= forward_stats
             if not real:
                 loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
             loss.backward()
@@ -321,6 +328,17 @@ class FSDPTrainEngine:
         stats.update(grad_norm=grad_norm, lr=lr, n_mbs=float(len(micro_batches)),
                      n_tokens=float(n_tokens), n_seqs=float(n_seqs), update_skipped=float(skipped))
         return stats
+
+    def _train_forward(self, model: nn.Module, mb: TensorBatch,
+                       n_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The root's output on the loss tokens, and stats of the forward itself.
+
+        The policy's: log-probs, and its token entropy over the loss tokens (this
+        micro-batch's share of the batch mean). Engines with other roots override it.
+        """
+        logprobs, entropy = model(mb.input_ids, mb.attention_mask, targets_loss(mb),
+                                  with_entropy=True)
+        return logprobs, {"entropy": float((entropy * mb.loss_mask).sum()) / max(n_tokens, 1)}
 
     def _clip_gradients(self) -> float:
         """The global gradient norm (before clipping); clips to `gradient_clipping` if > 0."""

@@ -64,8 +64,9 @@ class RLVRWorkflow:
     def from_config(cls, tokenizer: Any, gconfig: GenerationConfig, wconfig: WorkflowConfig, *,
                     reward_workers: int = 2) -> RLVRWorkflow:
         """The workflow `wconfig` describes; the caller closes `workflow.reward` at the end."""
-        runner = RewardRunner(resolve_reward_fn(wconfig.reward_fn), wconfig.reward_timeout,
-                              workers=reward_workers)
+        reward_fn = resolve_reward_fn(wconfig.reward_fn,
+                                      reward_model_path=wconfig.reward_model_path)
+        runner = RewardRunner(reward_fn, wconfig.reward_timeout, workers=reward_workers)
         return cls(tokenizer, gconfig, runner, system_prompt=wconfig.system_prompt,
                    few_shot=wconfig.few_shot)
 
