@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algorithms.distill import on_policy_advantages
 from asyncrl.algorithms.kl import sequence_kl
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, NormConfig
@@ -146,8 +147,15 @@ def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
     -> optional clip to [-reward_clip, reward_clip] -> in-reward KL (kl_ctl > 0 and not
     use_kl_loss): minus kl_ctl * the sequence's summed token KL -> `reward_norm` over rows ->
     broadcast to the loss tokens -> optional `adv_norm` over the loss tokens.
+    Pure on-policy distillation replaces everything before `adv_norm` with the teacher's
+    per-token signal (rewards unused).
     """
     mask = (batch.loss_mask > 0).float()
+    if cfg.distill_coef > 0 and cfg.distill_mode == "on_policy":
+        advantages = on_policy_advantages(batch, cfg.distill_coef)
+        if cfg.adv_norm is not None:
+            advantages = _normalize_with(advantages, cfg.adv_norm, "adv_norm", mask=mask)
+        return advantages
     rewards = batch.rewards.float()
     if cfg.overlong_reward_penalty:
         rewards = rewards + _overlong_penalty_of(mask.sum(-1), cfg)

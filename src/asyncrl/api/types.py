@@ -184,6 +184,7 @@ class TensorBatch:
     advantages: torch.Tensor | None = None  # [B, T] float32, set by the algorithm
     prox_logprobs: torch.Tensor | None = None  # [B, T] float32, set by the trainer
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32, the reference model's (KL)
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] float32, the distillation teacher's
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

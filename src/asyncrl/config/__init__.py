@@ -12,12 +12,13 @@ from asyncrl.config.schema import (
     OptimizerConfig,
     RefConfig,
     RolloutConfig,
+    TeacherConfig,
     WorkflowConfig,
 )
 
 __all__ = [
     "ActorConfig", "ConfigError", "DatasetConfig", "ExperimentConfig", "GenerationConfig",
     "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig",
-    "RolloutConfig",
+    "RolloutConfig", "TeacherConfig",
     "WorkflowConfig", "load_config", "to_yaml",
 ]
