@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algorithms.distill import on_policy_advantages
 from asyncrl.algorithms.kl import sequence_kl
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, NormConfig
@@ -203,20 +204,29 @@ def compute_advantages_and_returns(batch: TensorBatch,
     values (0 without a critic); otherwise every loss token gets the sequence reward (what
     GAE gives for V = 0, discount = gae_lambda = 1, without its loop). `adv_norm` then
     normalises the advantages over the loss tokens; the returns are taken before it.
+    Pure on-policy distillation replaces everything before `adv_norm` with the teacher's
+    per-token signal (rewards unused).
     """
     mask = (batch.loss_mask > 0).float()
-    rewards = sequence_rewards(batch, cfg)
-    returns = None
-    if batch.values is None and cfg.discount == 1 and cfg.gae_lambda == 1:
-        advantages = rewards[:, None] * mask
+    if cfg.distill_coef > 0 and cfg.distill_mode == "on_policy":
+        advantages, returns = on_policy_advantages(batch, cfg.distill_coef), None
     else:
-        values = torch.zeros_like(mask) if batch.values is None else batch.values.float() * mask
-        advantages, gae_returns = gae(last_token_rewards(rewards, mask), values, mask,
-                                      discount=cfg.discount, gae_lambda=cfg.gae_lambda)
-        returns = None if batch.values is None else gae_returns
+        advantages, returns = _reward_advantages(batch, cfg, mask)
     if cfg.adv_norm is not None:
         advantages = _normalize_with(advantages, cfg.adv_norm, "adv_norm", mask=mask)
     return advantages, returns
+
+
+def _reward_advantages(batch: TensorBatch, cfg: ActorConfig,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Advantages from the sequence rewards (broadcast, or GAE), and the critic's returns."""
+    rewards = sequence_rewards(batch, cfg)
+    if batch.values is None and cfg.discount == 1 and cfg.gae_lambda == 1:
+        return rewards[:, None] * mask, None
+    values = torch.zeros_like(mask) if batch.values is None else batch.values.float() * mask
+    advantages, returns = gae(last_token_rewards(rewards, mask), values, mask,
+                              discount=cfg.discount, gae_lambda=cfg.gae_lambda)
+    return advantages, (None if batch.values is None else returns)
 
 
 def compute_advantages(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:

@@ -188,6 +188,7 @@ class TensorBatch:
     # GAE returns it is trained towards: [B, T] float32, 0 off the loss tokens.
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] float32, the distillation teacher's
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

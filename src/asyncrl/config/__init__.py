@@ -13,11 +13,12 @@ from asyncrl.config.schema import (
     OptimizerConfig,
     RefConfig,
     RolloutConfig,
+    TeacherConfig,
     WorkflowConfig,
 )
 
 __all__ = [
     "ActorConfig", "ConfigError", "CriticConfig", "DatasetConfig", "ExperimentConfig",
     "GenerationConfig", "LocalEngineConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
-    "RefConfig", "RolloutConfig", "WorkflowConfig", "load_config", "to_yaml",
+    "RefConfig", "RolloutConfig", "TeacherConfig", "WorkflowConfig", "load_config", "to_yaml",
 ]

@@ -282,6 +282,16 @@ class ActorConfig:
     # without, over values of 0 (gamma = lambda = 1 is the sequence reward on every token).
     discount: float = 1.0
     gae_lambda: float = 1.0
+    # Distillation from the `teacher` model on the student's own samples. 0: off, and no
+    # teacher is loaded. kl_loss: + distill_coef * agg(k(d)) in the loss, d = logp -
+    # teacher_logp, beside the RL objective. on_policy: pure on-policy distillation, the
+    # per-token advantage is -distill_coef * (behaviour logp - teacher logp); rewards unused.
+    distill_coef: float = 0.0
+    distill_mode: Literal["kl_loss", "on_policy"] = "kl_loss"
+    # The loss term's estimator of KL(student || teacher) from d (as kl_estimator). On the
+    # student's samples the gradient of k2 is that of the reverse KL; k3's is the forward
+    # KL's; k1's is zero in expectation. Not used by on_policy (its advantage is -k1).
+    distill_kl_estimator: Literal["k1", "k2", "k3"] = "k2"
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
@@ -327,6 +337,7 @@ class ActorConfig:
             value = getattr(self, key)
             _check(0 <= value <= 1, f"actor.{key} must be in [0, 1], got {value}")
         self._check_rejection_sampling()
+        self._check_distill_keys()
 
     def _check_rejection_sampling(self) -> None:
         rs, cap = self.rejection_sampling, self.behav_imp_weight_cap
@@ -355,6 +366,34 @@ class ActorConfig:
     def updates_per_batch(self) -> int:
         """Optimiser steps per training batch: ppo_n_minibatches in each of ppo_epochs passes."""
         return self.ppo_n_minibatches * self.ppo_epochs
+
+    def _check_distill_keys(self) -> None:
+        _check(self.distill_coef >= 0,
+               f"actor.distill_coef must be >= 0 (0 turns distillation off), got "
+               f"{self.distill_coef}")
+        _check(self.distill_mode in ("kl_loss", "on_policy"),
+               f"actor.distill_mode must be one of ('kl_loss', 'on_policy'), got "
+               f"{self.distill_mode!r}")
+        _check(self.distill_kl_estimator in ("k1", "k2", "k3"),
+               "actor.distill_kl_estimator must be one of ('k1', 'k2', 'k3'), got "
+               f"{self.distill_kl_estimator!r}")
+        if self.distill_mode != "on_policy":
+            return
+        _check(self.distill_coef > 0,
+               "actor.distill_mode=on_policy needs actor.distill_coef > 0 (the scale of the "
+               "per-token advantage; 1.0 is the plain negative reverse KL)")
+        # Pure on-policy distillation has no reward: refuse reward options it would ignore.
+        unused = [(key, value) for key, value, default in (
+            ("reward_scaling", self.reward_scaling, 1.0), ("reward_bias", self.reward_bias, 0.0),
+            ("reward_clip", self.reward_clip, None),
+            ("overlong_reward_penalty", self.overlong_reward_penalty, False)) if value != default]
+        if self.kl_ctl > 0 and not self.use_kl_loss:
+            unused.append(("kl_ctl (in-reward KL)", self.kl_ctl))
+        _check(not unused,
+               f"actor.distill_mode=on_policy trains on the teacher's per-token signal, not on "
+               f"rewards, so these reward options would be ignored: "
+               f"{', '.join(f'actor.{k}={v}' for k, v in unused)}; reset them, or use "
+               f"actor.use_kl_loss=true for a KL to the reference")
 
 
 @dataclass(kw_only=True)
@@ -396,6 +435,19 @@ class CriticConfig:
 
 
 @dataclass(kw_only=True)
+class TeacherConfig:
+    """The frozen teacher of distillation (loaded only when actor.distill_coef > 0).
+
+    It scores the student's tokens, so it must share the actor's tokenizer (checked when
+    the run starts). No default path: distilling from the student itself teaches nothing.
+    """
+
+    path: str = ""  # HF folder, HF hub id, or a named small model
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype of its forward
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+
+
+@dataclass(kw_only=True)
 class DatasetConfig:
     # A local JSONL file or folder of JSONL files (GSM8K format: question / answer with
     # "#### N"), an HF dataset id, or "reasoning_gym:<task>" for a generated offline task.
@@ -418,7 +470,8 @@ class WorkflowConfig:
     # "gsm8k" (math-verify on "#### N" or \boxed{}), "reasoning_gym" (the task's own scorer),
     # "reward_model" (a model trained by `asyncrl rm`, at reward_model_path), or
     # "package.module:function" taking (completion, item) -> float.
-    reward_fn: str = "gsm8k"
+    # null: no reward (only for actor.distill_mode=on_policy, which does not use one).
+    reward_fn: Optional[str] = "gsm8k"
     reward_model_path: Optional[str] = None  # only with reward_fn: reward_model
     reward_timeout: float = 15.0  # seconds; a reward that takes longer counts as failed
     system_prompt: Optional[str] = None
@@ -492,6 +545,7 @@ class ExperimentConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)  # used only when actor.kl_ctl > 0
     critic: Optional[CriticConfig] = None  # PPO with a value model; `critic: {}` for defaults
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # actor.distill_coef > 0
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: Optional[DatasetConfig] = None
@@ -527,6 +581,29 @@ class ExperimentConfig:
                "group of gconfig.n_samples=1 always is; raise gconfig.n_samples to >= 2")
         if self.critic is not None and self.critic.ppo_n_minibatches is None:
             self.critic.ppo_n_minibatches = self.actor.ppo_n_minibatches
+        self._check_distillation()
+
+    def _check_distillation(self) -> None:
+        """A teacher exactly when distilling; no reward fn only where no reward is used."""
+        coef = self.actor.distill_coef
+        _check(coef == 0 or bool(self.teacher.path),
+               f"actor.distill_coef={coef} but teacher.path is empty: give the teacher model "
+               "(an HF folder or name sharing the actor's tokenizer)")
+        _check(coef > 0 or not self.teacher.path,
+               f"teacher.path={self.teacher.path!r} is set but actor.distill_coef=0, so no "
+               "teacher would be loaded; set actor.distill_coef > 0 or drop teacher.path")
+        _check(not (self.actor.distill_mode == "on_policy" and coef > 0 and self.critic),
+               "actor.distill_mode=on_policy takes its advantages from the teacher, so a critic "
+               "(trained on reward returns) would be unused; drop the critic section")
+        if self.workflow.reward_fn is not None:
+            return
+        _check(self.actor.distill_mode == "on_policy" and coef > 0,
+               "workflow.reward_fn is null, but only pure on-policy distillation "
+               "(actor.distill_mode=on_policy, actor.distill_coef > 0) trains without a "
+               "reward; set workflow.reward_fn")
+        _check(self.valid_dataset is None,
+               "workflow.reward_fn is null but valid_dataset is set: evaluation scores "
+               "answers with the reward fn; drop valid_dataset or set workflow.reward_fn")
 
     def _resolve_max_new_tokens(self) -> None:
         """actor.max_new_tokens (the overlong penalty's budget) is gconfig.max_new_tokens."""

@@ -13,10 +13,15 @@ import os
 import time
 from typing import Any
 
-from asyncrl.algorithms import compute_advantages_and_returns, make_ppo_loss_fn, mean_token_kl
+from asyncrl.algorithms import (
+    compute_advantages_and_returns,
+    make_ppo_loss_fn,
+    mean_token_kl,
+    with_distillation,
+)
 from asyncrl.algorithms.advantages import in_reward_kl_logprobs
 from asyncrl.api import Batch
-from asyncrl.config import ActorConfig, ExperimentConfig, to_yaml
+from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
 from asyncrl.models.hub import resolve_model_path
@@ -28,6 +33,7 @@ from asyncrl.trainers.critic import Critic
 from asyncrl.trainers.paths import RunPaths, setup_logging
 from asyncrl.trainers.periodic import Periodic
 from asyncrl.training import FSDPTrainEngine
+from asyncrl.training.frozen import check_teacher_vocab, make_ref_engine, make_teacher_engine
 from asyncrl.training.updates import train_epochs
 from asyncrl.weights import WeightPublisher
 from asyncrl.workflows import RLVRWorkflow
@@ -108,10 +114,15 @@ class RLTrainer:
         self.ref = make_ref_engine(cfg)
         if self.ref is not None:
             self.ref.initialize()
+        self.teacher = make_teacher_engine(cfg)
+        if self.teacher is not None:
+            self.teacher.initialize()
+            check_teacher_vocab(self.tokenizer, self.teacher)
         self.critic = Critic.from_config(cfg, self.total_steps)  # None: no value model
         # One optimiser step per batch: the proximal log-probs come from the training forward.
         self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.updates_per_batch == 1
-        self.loss_fn = make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss)
+        self.loss_fn = with_distillation(
+            make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss), cfg.actor)
         self.publisher = WeightPublisher(paths.weights, self.engine,
                                          dtype=cfg.local_engine.dtype, run=self.rollout.run_coroutine)
         self.stats = StatsLogger(paths.root, cfg.stats_logger,
@@ -159,6 +170,8 @@ class RLTrainer:
         actor = self.cfg.actor
         if self.ref is not None:
             tb.ref_logprobs = self.ref.compute_logprobs(tb)
+        if self.teacher is not None:
+            tb.teacher_logprobs = self.teacher.compute_logprobs(tb)
         if self.critic is not None:
             tb.values = self.critic.compute_values(tb)
         tb.advantages, tb.returns = compute_advantages_and_returns(tb, actor)
@@ -217,27 +230,12 @@ class RLTrainer:
 
     def close(self) -> None:
         self.rollout.stop()
-        self.workflow.reward.close()
+        self.workflow.close()
         self.stats.close()
-        for engine in (self.ref, self._critic_engine):
+        for engine in (self.ref, self.teacher, self._critic_engine):
             if engine is not None:
                 engine.destroy()  # before the actor, which owns the process group
         self.actor.destroy()
-
-
-def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
-    """The frozen reference model of the KL term (not initialised); None when kl_ctl is 0.
-
-    It is an engine that is never stepped: AdamW allocates its state on the first step,
-    so its unused optimiser costs no memory. It shares the actor's temperature (log-probs
-    of the same distribution) and init_from_scratch (with the same seed: the same weights).
-    """
-    if cfg.actor.kl_ctl == 0:
-        return None
-    ref_cfg = ActorConfig(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
-                          temperature=cfg.actor.temperature,
-                          init_from_scratch=cfg.actor.init_from_scratch)
-    return FSDPTrainEngine(ref_cfg, total_steps=1, seed=cfg.seed)
 
 
 def _throughput(batch: Batch, perf: dict[str, float]) -> dict[str, float]:

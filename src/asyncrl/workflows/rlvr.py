@@ -48,9 +48,14 @@ async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
 
 
 class RLVRWorkflow:
-    """Sample `gconfig.n_samples` answers to an item's question and score each one."""
+    """Sample `gconfig.n_samples` answers to an item's question and score each one.
 
-    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, reward: RewardRunner, *,
+    `reward` None: the answers are not scored and carry reward 0.0. Only pure on-policy
+    distillation, which learns from a teacher instead of rewards, runs this way (the config
+    refuses `workflow.reward_fn: null` elsewhere).
+    """
+
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig, reward: RewardRunner | None, *,
                  system_prompt: str | None = None, few_shot: Sequence[dict[str, str]] = ()):
         self.tokenizer = tokenizer
         self.gconfig = gconfig
@@ -63,10 +68,12 @@ class RLVRWorkflow:
     @classmethod
     def from_config(cls, tokenizer: Any, gconfig: GenerationConfig, wconfig: WorkflowConfig, *,
                     reward_workers: int = 2) -> RLVRWorkflow:
-        """The workflow `wconfig` describes; the caller closes `workflow.reward` at the end."""
-        reward_fn = resolve_reward_fn(wconfig.reward_fn,
-                                      reward_model_path=wconfig.reward_model_path)
-        runner = RewardRunner(reward_fn, wconfig.reward_timeout, workers=reward_workers)
+        """The workflow `wconfig` describes; the caller calls `workflow.close()` at the end."""
+        runner = None
+        if wconfig.reward_fn is not None:
+            reward_fn = resolve_reward_fn(wconfig.reward_fn,
+                                          reward_model_path=wconfig.reward_model_path)
+            runner = RewardRunner(reward_fn, wconfig.reward_timeout, workers=reward_workers)
         return cls(tokenizer, gconfig, runner, system_prompt=wconfig.system_prompt,
                    few_shot=wconfig.few_shot)
 
@@ -76,6 +83,11 @@ class RLVRWorkflow:
                                       max_new_tokens=max_new_tokens or self.gconfig.max_new_tokens)
         return RLVRWorkflow(self.tokenizer, gconfig, self.reward, system_prompt=self.system_prompt,
                             few_shot=self.few_shot)
+
+    def close(self) -> None:
+        """Stop the reward workers (shared with `for_eval` copies)."""
+        if self.reward is not None:
+            self.reward.close()
 
     def prompt_ids(self, item: dict[str, Any]) -> list[int]:
         """The chat prompt of `item`, as token ids."""
@@ -101,7 +113,7 @@ class RLVRWorkflow:
                                                         sampling=self.sampling))
         t1 = time.perf_counter()
         completion = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-        reward = await self.reward.score(completion, item)
+        reward = 0.0 if self.reward is None else await self.reward.score(completion, item)
         t2 = time.perf_counter()
         return Trajectory.from_response(resp, reward=reward, group_id=group_id,
                                         meta=self._meta(item, resp, completion, index,
@@ -116,7 +128,7 @@ class RLVRWorkflow:
             "sample_index": index,
             "completion": completion,
             "gold_answer": item.get("answer"),
-            "reward_fn": self.reward.name,
+            "reward_fn": None if self.reward is None else self.reward.name,
             "gen_s": gen_s,
             "reward_s": reward_s,
             "engine_latency_s": resp.latency_s,
