@@ -22,11 +22,15 @@ CPU_CONFIGS = sorted(EXAMPLES.glob("gsm8k_*_cpu.yaml"))
 EXPECTED_STATS = {
     "gsm8k_reinforce_pp_cpu.yaml": ["train/kl_ref"],
     "gsm8k_dapo_cpu.yaml": ["rollout/groups_dropped", "rollout/groups_dropped_total"],
+    "gsm8k_ppo_cpu.yaml": ["critic/loss", "critic/values_mean", "critic/explained_var"],
+    "gsm8k_distill_cpu.yaml": ["train/distill_kl"],
 }
 # Sizes that must shrink with the test's 12-token budget.
 EXTRA_OVERRIDES = {
     "gsm8k_dapo_cpu.yaml": ["actor.overlong_tokens=4"],
 }
+# Models the config names besides the actor: the tiny model stands in for them too.
+MODEL_KEYS = {"gsm8k_distill_cpu.yaml": ["teacher.path"]}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +68,7 @@ def test_cpu_example_runs_two_async_steps(tmp_path, tiny_model, toy_gsm8k, confi
         "stats_logger.progress_bar=false", "stats_logger.plot=false",
         "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
         *EXTRA_OVERRIDES.get(config.name, []),
+        *(f"{key}={tiny_model}" for key in MODEL_KEYS.get(config.name, [])),
     ])
     summary = train(cfg)
     rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl")
