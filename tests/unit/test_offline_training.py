@@ -4,30 +4,15 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.algorithms import make_dpo_loss_fn, make_sft_loss_fn
 from asyncrl.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
 from asyncrl.data.offline import TokenRow, collate
-from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainers.dpo import compute_reference_logprobs
 from asyncrl.trainers.offline import epoch_batches, evaluate
 from asyncrl.training import FSDPTrainEngine, plan_micro_batches
-from asyncrl.training.dist import init_process_group
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    torch.set_num_threads(1)
-    created = init_process_group()
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 # -- the micro-batch planner with granularity -------------------------------------------

@@ -6,31 +6,17 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.training import FSDPTrainEngine, split_across_ranks, split_by_token_budget
 from asyncrl.training import engine as engine_module
-from asyncrl.training.dist import free_port, init_process_group
+from asyncrl.training.dist import free_port
 from asyncrl.training.optim import lr_factor
 from asyncrl.training.updates import merge_update_stats, split_minibatches, train_epochs
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """One process group for the module, so that engines come and go without owning it."""
-    torch.set_num_threads(1)
-    created = init_process_group()
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 def make_batch(seed: int = 0, lengths=(12, 7, 10, 5), prompt_len: int = 3) -> TensorBatch:

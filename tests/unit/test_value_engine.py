@@ -2,28 +2,13 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.algorithms import make_value_loss_fn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import CriticConfig, OptimizerConfig
-from asyncrl.models.tiny import make_tiny_model
 from asyncrl.training import FSDPValueEngine
-from asyncrl.training.dist import init_process_group
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    torch.set_num_threads(1)
-    created = init_process_group()
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 def make_batch(seed: int = 0, lengths=(9, 5, 7), prompt_len: int = 3) -> TensorBatch:

@@ -8,27 +8,20 @@ AReaL's names) so one YAML shape serves SFT, DPO and RM. Load it with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Optional
 
-from asyncrl.config.schema import (
-    ClusterConfig,
-    MicroBatchSpec,
-    OptimizerConfig,
-    StatsLoggerConfig,
-    _check,
+from asyncrl.config.offline import (
+    OfflineEvaluatorConfig,
+    OfflineSchedulerConfig,
+    TrainEngineConfig,
 )
+from asyncrl.config.schema import ClusterConfig, StatsLoggerConfig, _check
 
-
-@dataclass(kw_only=True)
-class RMModelConfig:
-    """The reward model: `path`'s decoder under a fresh scalar head (seeded by `seed`)."""
-
-    path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
-    init_from_scratch: bool = False
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
-    gradient_checkpointing: bool = False
-    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+# The reward model's section is the offline trainers' model section: `path`'s decoder,
+# here under a fresh scalar head (seeded by `seed`). Evaluator and scheduler likewise.
+RMModelConfig = TrainEngineConfig
+RMEvaluatorConfig = OfflineEvaluatorConfig
+RMSchedulerConfig = OfflineSchedulerConfig
 
 
 @dataclass(kw_only=True)
@@ -50,23 +43,6 @@ class PreferenceDatasetConfig:
                f"{name}.size must be >= 1 or null (all rows), got {self.size}")
         _check(self.max_length is None or self.max_length >= 2,
                f"{name}.max_length must be >= 2 tokens or null, got {self.max_length}")
-
-
-@dataclass(kw_only=True)
-class RMEvaluatorConfig:
-    """Held-out loss and accuracy on valid_dataset: before, every N steps/epochs, after."""
-
-    freq_steps: Optional[int] = None
-    freq_epochs: Optional[int] = None
-    freq_secs: Optional[float] = None
-    before_training: bool = True
-    after_training: bool = True
-
-
-@dataclass(kw_only=True)
-class RMSchedulerConfig:
-    type: Literal["local"] = "local"
-    trainer_threads: Optional[int] = None  # CPU threads of the trainer; null: torch's default
 
 
 @dataclass(kw_only=True)
