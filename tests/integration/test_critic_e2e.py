@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_config
 
-from asyncrl.config import load_config
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 from asyncrl.trainers.rl import train
@@ -15,24 +15,13 @@ pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path, model, steps):
-    return load_config(None, [
-        "experiment_name=critic", "trial_name=ppo", f"cluster.fileroot={tmp_path / 'runs'}",
-        f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+    return tiny_run_config(
+        tmp_path, model, "trial_name=ppo",
         "actor.discount=1.0", "actor.gae_lambda=0.95", "actor.reward_norm=null",
         "actor.ppo_n_minibatches=2",  # the critic's too: its 2nd minibatch sees moved values
         "critic.dtype=float32", "critic.optimizer.lr=1e-3", "critic.eps_clip=0.2",
-        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
-        "local_engine.max_seq_len=256",
-        "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
-        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
-        "rollout.max_head_offpolicyness=1", f"total_train_steps={steps}",
-        "workflow.reward_fn=toy_rewards:text_hash", "stats_logger.progress_bar=false",
-        "stats_logger.plot=false", "evaluator.before_training=false",
-        "evaluator.after_training=false", "saver.freq_steps=2",
-        "recover.mode=auto", "recover.freq_steps=1",
-        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
-    ])
+        f"total_train_steps={steps}", "saver.freq_steps=2", "recover.mode=auto",
+        "recover.freq_steps=1", name="critic")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ log-probs, the merged update stats and the dropped-group counters all show in st
 from pathlib import Path
 
 import pytest
+from tiny_run import tiny_run_config
 
-from asyncrl.config import load_config
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 from asyncrl.trainers.rl import train
@@ -23,27 +23,15 @@ def tiny_model(tmp_path_factory):
 
 
 def test_dapo_drops_equal_reward_groups_and_trains_two_steps(tmp_path, tiny_model):
-    cfg = load_config(None, [
-        "experiment_name=dapo", "trial_name=t", f"cluster.fileroot={tmp_path / 'runs'}",
-        f"actor.path={tiny_model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
-        "rollout.dynamic_sampling=true",
+    cfg = tiny_run_config(
+        tmp_path, tiny_model, "trial_name=t", "rollout.dynamic_sampling=true",
         "actor.eps_clip=0.2", "actor.eps_clip_higher=0.28", "actor.loss_agg_mode=token-mean",
         "actor.overlong_reward_penalty=true", "actor.overlong_tokens=4",
         "actor.ppo_n_minibatches=2", "actor.ppo_epochs=2",
         "actor.behav_imp_weight_cap=null", "actor.rejection_sampling.level=sequence",
         "actor.rejection_sampling.upper=2.0",
-        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
-        "local_engine.max_seq_len=256",
-        "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
-        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
-        "rollout.max_head_offpolicyness=1", "total_train_steps=2",
         # three items in four get reward 0 for every sample: their groups are dropped
-        "workflow.reward_fn=toy_rewards:hash_or_constant", "stats_logger.progress_bar=false",
-        "stats_logger.plot=false", "evaluator.before_training=false",
-        "evaluator.after_training=false",
-        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
-    ])
+        "workflow.reward_fn=toy_rewards:hash_or_constant", name="dapo")
     summary = train(cfg)
     rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]

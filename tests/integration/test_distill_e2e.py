@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
+from tiny_run import tiny_run_config
 
-from asyncrl.config import load_config
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 from asyncrl.trainers.rl import train
@@ -13,22 +13,8 @@ pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path, student, teacher, trial, *overrides):
-    return load_config(None, [
-        "experiment_name=distill", f"trial_name={trial}",
-        f"cluster.fileroot={tmp_path / 'runs'}",
-        f"actor.path={student}", "actor.dtype=float32",
-        f"teacher.path={teacher}", "teacher.dtype=float32",
-        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
-        "local_engine.max_seq_len=256",
-        "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
-        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
-        "rollout.max_head_offpolicyness=1", "stats_logger.progress_bar=false",
-        "stats_logger.plot=false", "evaluator.before_training=false",
-        "evaluator.after_training=false",
-        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
-        *overrides,
-    ])
+    return tiny_run_config(tmp_path, student, f"trial_name={trial}", f"teacher.path={teacher}",
+                           "teacher.dtype=float32", *overrides, name="distill")
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
+from tiny_run import tiny_run_config
 
-from asyncrl.config import load_config
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 from asyncrl.trainers.rl import train
@@ -13,23 +13,10 @@ pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path, model, use_kl_loss):
-    return load_config(None, [
-        "experiment_name=kl", f"trial_name=loss{use_kl_loss}",
-        f"cluster.fileroot={tmp_path / 'runs'}",
-        f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
-        "ref.dtype=float32", "actor.kl_ctl=0.1", "actor.kl_estimator=k3",
-        f"actor.use_kl_loss={str(use_kl_loss).lower()}",
-        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
-        "local_engine.max_seq_len=256",
-        "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
-        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
-        "rollout.max_head_offpolicyness=1", "total_train_steps=2",
-        "workflow.reward_fn=toy_rewards:text_hash", "stats_logger.progress_bar=false",
-        "stats_logger.plot=false", "evaluator.before_training=false",
-        "evaluator.after_training=false",
-        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
-    ])
+    return tiny_run_config(
+        tmp_path, model, f"trial_name=loss{use_kl_loss}", "ref.dtype=float32",
+        "actor.kl_ctl=0.1", "actor.kl_estimator=k3",
+        f"actor.use_kl_loss={str(use_kl_loss).lower()}", name="kl")
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
+from tiny_run import tiny_run_config
 
-from asyncrl.config import load_config
 from asyncrl.models.reward import load_reward_model
 from asyncrl.models.tiny import make_tiny_model, make_tiny_tokenizer
 from asyncrl.observe import read_stats
@@ -19,21 +19,12 @@ def test_rl_with_a_reward_model_as_the_reward_function(tmp_path):
     rm_dir = tmp_path / "rm"  # an untrained reward model: a fresh head, real scores
     load_reward_model(make_tiny_model(tmp_path / "rm_base", seed=3)).save_pretrained(rm_dir)
     make_tiny_tokenizer().save_pretrained(rm_dir)
-    cfg = load_config(None, [
-        "experiment_name=rm_reward", f"cluster.fileroot={tmp_path / 'runs'}",
-        f"actor.path={policy}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
-        "local_engine.dtype=float32", "local_engine.max_batch_size=16",
-        "local_engine.max_seq_len=256", "gconfig.n_samples=2", "gconfig.max_new_tokens=12",
-        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=64",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2",
-        "rollout.max_head_offpolicyness=1", "total_train_steps=2",
-        "workflow.reward_fn=reward_model", f"workflow.reward_model_path={rm_dir}",
-        "workflow.reward_timeout=60", "stats_logger.progress_bar=false",
-        "stats_logger.plot=false", "evaluator.before_training=false",
+    cfg = tiny_run_config(
+        tmp_path, policy, "workflow.reward_fn=reward_model",
+        f"workflow.reward_model_path={rm_dir}", "workflow.reward_timeout=60",
+        "evaluator.after_training=true",
         "valid_dataset.path=reasoning_gym:basic_arithmetic", "valid_dataset.size=2",
-        "valid_dataset.seed=99",
-        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
-    ])
+        "valid_dataset.seed=99", name="rm_reward")
     summary = train(cfg)
     run = Path(summary["run_dir"])
     rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]

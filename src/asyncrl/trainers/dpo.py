@@ -11,10 +11,10 @@ from typing import Any
 
 from asyncrl.algorithms import make_dpo_loss_fn
 from asyncrl.config.offline import DPOConfig
-from asyncrl.config.schema import ActorConfig
 from asyncrl.data.offline import Example, collate, load_preference_examples
 from asyncrl.trainers.offline import OfflineTrainer, chunks
 from asyncrl.training import FSDPTrainEngine
+from asyncrl.training.frozen import frozen_engine
 
 SHOWN = ("train/loss", "train/reward_margin", "train/reward_accuracy")
 
@@ -36,9 +36,8 @@ def train(cfg: DPOConfig) -> dict[str, Any]:
 
 def make_reference_engine(cfg: DPOConfig) -> FSDPTrainEngine:
     """The frozen reference policy (not initialised): never stepped, so no optimiser state."""
-    ref_cfg = ActorConfig(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
-                          init_from_scratch=cfg.model.init_from_scratch)
-    return FSDPTrainEngine(ref_cfg, total_steps=1, seed=cfg.seed)
+    return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
+                         seed=cfg.seed, init_from_scratch=cfg.model.init_from_scratch)
 
 
 def compute_reference_logprobs(engine: FSDPTrainEngine, examples: list[Example], *, batch_size: int,

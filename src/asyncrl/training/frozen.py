@@ -13,13 +13,12 @@ from asyncrl.config.schema import ActorConfig, ExperimentConfig, MicroBatchSpec
 from asyncrl.training.engine import FSDPTrainEngine
 
 
-def frozen_engine(cfg: ExperimentConfig, *, path: str, dtype: str, mb_spec: MicroBatchSpec,
-                  init_from_scratch: bool = False) -> FSDPTrainEngine:
+def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int,
+                  temperature: float = 1.0, init_from_scratch: bool = False) -> FSDPTrainEngine:
     """A never-stepped engine for the model at `path` (not initialised)."""
-    frozen_cfg = ActorConfig(path=path, dtype=dtype, mb_spec=mb_spec,
-                             temperature=cfg.actor.temperature,
+    frozen_cfg = ActorConfig(path=path, dtype=dtype, mb_spec=mb_spec, temperature=temperature,
                              init_from_scratch=init_from_scratch)
-    return FSDPTrainEngine(frozen_cfg, total_steps=1, seed=cfg.seed)
+    return FSDPTrainEngine(frozen_cfg, total_steps=1, seed=seed)
 
 
 def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
@@ -29,7 +28,8 @@ def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
     """
     if cfg.actor.kl_ctl == 0:
         return None
-    return frozen_engine(cfg, path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
+    return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
+                         seed=cfg.seed, temperature=cfg.actor.temperature,
                          init_from_scratch=cfg.actor.init_from_scratch)
 
 
@@ -37,8 +37,9 @@ def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
     """The distillation teacher (not initialised); None when actor.distill_coef is 0."""
     if cfg.actor.distill_coef == 0:
         return None
-    return frozen_engine(cfg, path=cfg.teacher.path, dtype=cfg.teacher.dtype,
-                         mb_spec=cfg.teacher.mb_spec)
+    return frozen_engine(path=cfg.teacher.path, dtype=cfg.teacher.dtype,
+                         mb_spec=cfg.teacher.mb_spec, seed=cfg.seed,
+                         temperature=cfg.actor.temperature)
 
 
 def check_shared_vocab(student_vocab: dict[str, int], teacher_vocab: dict[str, int],
