@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from batches import hand_batch as make_batch
 
 from asyncrl.algorithms import (
     compute_advantages,
@@ -12,25 +13,9 @@ from asyncrl.algorithms import (
     overlong_penalty,
     ppo_loss,
 )
-from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, NormConfig
 
 EPS = 1e-5
-
-
-def make_batch(rewards, loss_mask, **per_token) -> TensorBatch:
-    loss_mask = torch.tensor(loss_mask, dtype=torch.float32)
-    shape = loss_mask.shape
-    fields = dict(
-        input_ids=torch.zeros(shape, dtype=torch.long),
-        attention_mask=torch.ones(shape, dtype=torch.bool),
-        loss_mask=loss_mask,
-        behavior_logprobs=torch.zeros(shape),
-        versions=torch.zeros(shape, dtype=torch.long),
-        rewards=torch.tensor(rewards, dtype=torch.float32),
-    )
-    fields.update({k: torch.tensor(v, dtype=torch.float32) for k, v in per_token.items()})
-    return TensorBatch(**fields)
 
 
 # ---- advantages ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batches import hand_batch as make_batch
 
 from asyncrl.algorithms import (
     compute_advantages_and_returns,
@@ -11,22 +12,8 @@ from asyncrl.algorithms import (
     value_stats,
 )
 from asyncrl.algorithms.advantages import last_token_rewards
-from asyncrl.api.types import TensorBatch
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.schema import ActorConfig, CriticConfig, NormConfig
-
-
-def make_batch(rewards, loss_mask, **per_token) -> TensorBatch:
-    loss_mask = torch.tensor(loss_mask, dtype=torch.float32)
-    shape = loss_mask.shape
-    fields = dict(input_ids=torch.zeros(shape, dtype=torch.long),
-                  attention_mask=torch.ones(shape, dtype=torch.bool), loss_mask=loss_mask,
-                  behavior_logprobs=torch.zeros(shape),
-                  versions=torch.zeros(shape, dtype=torch.long),
-                  rewards=torch.tensor(rewards, dtype=torch.float32))
-    fields.update({k: torch.tensor(v, dtype=torch.float32) for k, v in per_token.items()})
-    return TensorBatch(**fields)
-
 
 # ---- GAE ----------------------------------------------------------------------------------
 

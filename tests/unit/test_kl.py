@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from batches import hand_batch as make_batch
 
 from asyncrl.algorithms import compute_advantages, kl_estimate, kl_loss, make_ppo_loss_fn
 from asyncrl.api.types import TensorBatch
@@ -13,18 +14,6 @@ from asyncrl.trainers.rl import make_ref_engine
 
 EPS = 1e-5
 LN2 = math.log(2)
-
-
-def make_batch(rewards, loss_mask, **per_token) -> TensorBatch:
-    loss_mask = torch.tensor(loss_mask, dtype=torch.float32)
-    fields = dict(
-        input_ids=torch.zeros(loss_mask.shape, dtype=torch.long),
-        attention_mask=torch.ones(loss_mask.shape, dtype=torch.bool),
-        loss_mask=loss_mask, behavior_logprobs=torch.zeros(loss_mask.shape),
-        versions=torch.zeros(loss_mask.shape, dtype=torch.long),
-        rewards=torch.tensor(rewards, dtype=torch.float32))
-    fields.update({k: torch.tensor(v, dtype=torch.float32) for k, v in per_token.items()})
-    return TensorBatch(**fields)
 
 
 @pytest.mark.parametrize("estimator, expected", [

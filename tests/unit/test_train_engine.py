@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from batches import random_batch as make_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
@@ -17,19 +18,6 @@ from asyncrl.training.optim import lr_factor
 from asyncrl.training.updates import merge_update_stats, split_minibatches, train_epochs
 
 pytestmark = pytest.mark.usefixtures("process_group")
-
-
-def make_batch(seed: int = 0, lengths=(12, 7, 10, 5), prompt_len: int = 3) -> TensorBatch:
-    """Right-padded random rows; the tokens after `prompt_len` are loss tokens."""
-    g = torch.Generator().manual_seed(seed)
-    n, width = len(lengths), max(lengths)
-    input_ids = torch.randint(3, 250, (n, width), generator=g)
-    attention_mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-    input_ids[~attention_mask] = 0
-    loss_mask = (attention_mask & (torch.arange(width)[None, :] >= prompt_len)).float()
-    return TensorBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                       behavior_logprobs=torch.zeros(n, width),
-                       versions=torch.zeros(n, width, dtype=torch.long), rewards=torch.zeros(n))
 
 
 def nll_loss(logprobs, mb, *, n_tokens, n_seqs):

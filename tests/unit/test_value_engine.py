@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batches import random_batch
 
 from asyncrl.algorithms import make_value_loss_fn
 from asyncrl.api.types import TensorBatch
@@ -11,16 +12,8 @@ from asyncrl.training import FSDPValueEngine
 pytestmark = pytest.mark.usefixtures("process_group")
 
 
-def make_batch(seed: int = 0, lengths=(9, 5, 7), prompt_len: int = 3) -> TensorBatch:
-    g = torch.Generator().manual_seed(seed)
-    n, width = len(lengths), max(lengths)
-    input_ids = torch.randint(3, 250, (n, width), generator=g)
-    attention_mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-    input_ids[~attention_mask] = 0
-    loss_mask = (attention_mask & (torch.arange(width)[None, :] >= prompt_len)).float()
-    return TensorBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                       behavior_logprobs=torch.zeros(n, width),
-                       versions=torch.zeros(n, width, dtype=torch.long), rewards=torch.zeros(n))
+def make_batch(seed: int = 0, lengths=(9, 5, 7)) -> TensorBatch:
+    return random_batch(seed, lengths)
 
 
 def make_critic(path, seed=1, **overrides) -> FSDPValueEngine:
