@@ -1,0 +1,48 @@
+"""The trained model's shared sections: its optimiser and how a batch is cut into micro-batches.
+
+Also `_check`, the one way every config raises on a bad value (a ValueError the loader turns
+into a ConfigError naming the key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    type: Literal["adam"] = "adam"  # AdamW (decoupled weight decay)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps_proportion: float = 0.0  # of the total training steps
+    min_lr_ratio: float = 0.0  # the final lr of linear/cosine decay, as a fraction of lr
+    gradient_clipping: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
+        _check(0 <= self.warmup_steps_proportion < 1,
+               f"optimizer.warmup_steps_proportion must be in [0, 1), got {self.warmup_steps_proportion}")
+
+
+@dataclass(kw_only=True)
+class MicroBatchSpec:
+    # Tokens (padding included) per forward/backward micro-batch; a longer sequence gets
+    # a micro-batch of its own.
+    max_tokens_per_mb: int = 8192
+    # Consecutive rows that always share a micro-batch (and a data-parallel rank): a loss
+    # over several rows, like DPO's (chosen, rejected) pairs, needs them together.
+    granularity: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens_per_mb >= 1, f"mb_spec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
+        _check(self.granularity >= 1, f"mb_spec.granularity must be >= 1, got {self.granularity}")
