@@ -176,6 +176,18 @@ def test_kl_loss_mode_adds_the_term_to_the_ppo_loss():
     assert "clip_frac" in stats  # the PPO stats are kept
 
 
+def test_kl_loss_term_follows_the_drgrpo_aggregation_of_the_policy_loss():
+    # seq-mean-token-sum-norm with a budget of 4: the k2 sum 2.5 of the one sequence / (1 * 4),
+    # times coef 0.5 = 0.3125 (the term reads actor.max_new_tokens, as the policy loss does).
+    cfg = ActorConfig(path="x", distill_coef=0.5, distill_kl_estimator="k2",
+                      loss_agg_mode="seq-mean-token-sum-norm", max_new_tokens=4)
+    base = make_ppo_loss_fn(cfg, prox_is_current=True)
+    logp, batch = torch.tensor(STUDENT), _loss_batch(TEACHER)
+    plain, _ = base(logp, batch, n_tokens=3, n_seqs=1)
+    total, _ = with_distillation(base, cfg)(logp, batch, n_tokens=3, n_seqs=1)
+    assert (total - plain).item() == pytest.approx(0.5 * 2.5 / 4, abs=1e-6)
+
+
 def test_on_policy_mode_reports_the_kl_but_adds_no_term():
     cfg = ActorConfig(path="x", distill_coef=0.5, distill_mode="on_policy")
     base = make_ppo_loss_fn(cfg, prox_is_current=True)

@@ -39,10 +39,12 @@ def distill_kl(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask
 
 def distill_loss(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor,
                  *, coef: float, estimator: str, loss_agg_mode: str, n_tokens: int,
-                 n_seqs: int | None) -> tuple[torch.Tensor, dict[str, float]]:
+                 n_seqs: int | None,
+                 norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """coef * agg(k(logp - teacher_logp)) over the loss tokens, and `distill_kl` (k1 mean)."""
     kl = kl_estimate(logprobs, teacher_logprobs, estimator)
-    loss = coef * aggregate(kl, loss_mask > 0, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs)
+    loss = coef * aggregate(kl, loss_mask > 0, loss_agg_mode, n_tokens=n_tokens, n_seqs=n_seqs,
+                            norm_len=norm_len)
     return loss, {"distill_kl": distill_kl(logprobs, teacher_logprobs, loss_mask,
                                            n_tokens=n_tokens)}
 
@@ -78,7 +80,7 @@ def with_distillation(loss_fn: LossFn, cfg: ActorConfig) -> LossFn:
         term, term_stats = distill_loss(logprobs, teacher, mb.loss_mask, coef=cfg.distill_coef,
                                         estimator=cfg.distill_kl_estimator,
                                         loss_agg_mode=cfg.loss_agg_mode, n_tokens=n_tokens,
-                                        n_seqs=n_seqs)
+                                        n_seqs=n_seqs, norm_len=cfg.max_new_tokens)
         return loss + term, stats | term_stats
 
     return distill_loss_fn
