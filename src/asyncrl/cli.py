@@ -19,7 +19,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
-    """`asyncrl sft` / `asyncrl dpo`: the offline trainer named by the subcommand."""
+    """`asyncrl sft` / `dpo` / `rm`: the offline trainer named by the subcommand."""
     import importlib
 
     from asyncrl.config import load_config
@@ -43,13 +43,6 @@ def print_offline_summary(summary: dict) -> None:
     for key in ("stats", "model_dir"):
         if key in summary:
             print(f"{key:14s}: {summary[key]}")
-
-
-def _rm(args: argparse.Namespace) -> int:
-    """`asyncrl rm`: reward-model training (the same as python -m asyncrl.trainers.rm)."""
-    from asyncrl.trainers.rm import main as rm_main
-
-    return rm_main((["--config", args.config] if args.config else []) + list(args.overrides))
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -141,17 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optimizer.lr=1e-6")
     p.set_defaults(func=_train)
     for name, what in (("sft", "supervised fine-tuning on prompt/answer or chat JSONL"),
-                       ("dpo", "DPO / IPO on prompt/chosen/rejected JSONL")):
+                       ("dpo", "DPO / IPO on prompt/chosen/rejected JSONL"),
+                       ("rm", "train a reward model on prompt/chosen/rejected JSONL")):
         p = sub.add_parser(name, help=what)
         p.add_argument("--config", default=None, help="YAML config file (else defaults)")
-        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. beta=0.1")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=x")
         p.set_defaults(func=_offline)
-
-
-    p = sub.add_parser("rm", help="train a reward model on prompt/chosen/rejected JSONL")
-    p.add_argument("--config", default=None, help="YAML config file (else defaults + overrides)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=...")
-    p.set_defaults(func=_rm)
     p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart recipe")
     p.set_defaults(func=_quickstart)

@@ -1,4 +1,4 @@
-"""SFT and DPO end to end on a tiny random model: the signal moves, stats and model are written."""
+"""SFT, DPO and RM end to end on a tiny random model: the signal moves, stats and model written."""
 
 import json
 from pathlib import Path
@@ -106,3 +106,34 @@ def test_sft_cli_runs_the_gsm8k_example_config(tmp_path, tiny_model, gsm8k_dir, 
     run = tmp_path / "runs" / "gsm8k-sft-cpu" / "trial0"
     assert [r["kind"] for r in read_stats(run / "stats.jsonl")] == ["eval", "train", "eval"]
     assert (run / "checkpoints" / "step1" / "model.safetensors").is_file()
+
+
+def test_rm_entry_point_runs_the_example_config_on_a_folder_with_saves_and_system_prompt(
+        tmp_path, tiny_model, capsys):
+    from transformers import AutoConfig
+
+    from asyncrl.trainers import rm
+
+    data = tmp_path / "prefs"  # a folder: the keys RM gained from the shared config work
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", [
+        {"prompt": f"Greet {name}", "chosen": f"Hello {name}!", "rejected": f"Go away {name}."}
+        for name in ("Ann", "Bob", "Cy", "Di")])
+    # `python -m asyncrl.trainers.rm` is `asyncrl rm`.
+    code = rm.main(["--config", str(REPO / "examples/rm/preference_rm_cpu.yaml"),
+                    f"model.path={tiny_model}", "model.dtype=float32",
+                    f"train_dataset.path={data}", f"valid_dataset.path={data}",
+                    "valid_dataset.split=train", "train_dataset.batch_size=2",
+                    "total_train_steps=2", "saver.freq_steps=1", "system_prompt=Be fair.",
+                    f"cluster.fileroot={tmp_path / 'runs'}", "stats_logger.progress_bar=false",
+                    "stats_logger.tensorboard=false", "scheduler.trainer_threads=1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "held-out accuracy" in out and "model_dir" in out
+    run = tmp_path / "runs" / "preference-rm-cpu" / "trial0"
+    rows = read_stats(run / "stats.jsonl")
+    assert [r["kind"] for r in rows] == ["eval", "train", "train", "eval"]
+    assert all(r["train/n_seqs"] == 4 for r in rows if r["kind"] == "train")  # 2 pairs
+    for step in (1, 2):  # saver.freq_steps=1 saves step 1; the final model is step 2
+        config = AutoConfig.from_pretrained(run / "checkpoints" / f"step{step}")
+        assert config.num_labels == 1 and config.system_prompt == "Be fair."

@@ -92,7 +92,7 @@ def test_missing_dataset_path_is_explained(tmp_path):
     list((REPO / "examples").rglob("*.yaml")) + list((REPO / "src/asyncrl/recipes").glob("*.yaml"))),
     ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    # examples/<trainer>/ for the offline trainers (sft, dpo); RL configs elsewhere.
+    # examples/<trainer>/ for the offline trainers (sft, dpo, rm); RL configs elsewhere.
     schema = TRAINER_SCHEMAS.get(path.parent.name, ExperimentConfig)
     cfg = load_config(path, schema=schema)
     assert cfg.train_dataset.path

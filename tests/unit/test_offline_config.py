@@ -1,10 +1,10 @@
-"""SFT and DPO configs: defaults, validation that names the key, typos, the CLI's errors."""
+"""SFT, DPO and RM configs: defaults, validation that names the key, typos, the CLI's errors."""
 
 import pytest
 
 from asyncrl import cli
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.offline import DPOConfig, SFTConfig
+from asyncrl.config.offline import DPOConfig, RMConfig, SFTConfig
 
 DATA = "train_dataset.path=d.jsonl"
 
@@ -38,13 +38,17 @@ def test_dpo_keeps_pairs_together_and_its_reference_follows_the_model():
     (DPOConfig, "train_dataset.format=chat", "train_dataset.format=chat is not a DPO format"),
     (DPOConfig, "model.mb_spec.granularity=3", "granularity=3 would split \\(chosen, rejected\\)"),
     (DPOConfig, "loss_type=hinge", "loss_type"),
+    (RMConfig, "train_dataset.format=gsm8k",
+     "train_dataset.format=gsm8k is not a reward-model format"),
+    (RMConfig, "model.mb_spec.granularity=5", "granularity=5 would split .*reward-model "
+                                              "training sets 2"),
 ])
 def test_bad_values_name_the_key(schema, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [DATA, override], schema=schema)
 
 
-@pytest.mark.parametrize("schema", [SFTConfig, DPOConfig])
+@pytest.mark.parametrize("schema", [SFTConfig, DPOConfig, RMConfig])
 def test_missing_dataset_path_is_explained(schema):
     with pytest.raises(ConfigError, match="train_dataset.path is empty"):
         load_config(None, [], schema=schema)
@@ -76,7 +80,7 @@ def test_dpo_keys_are_unknown_to_sft():
         load_config(None, [DATA, "beta=0.1"], schema=SFTConfig)
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo"])
+@pytest.mark.parametrize("command", ["sft", "dpo", "rm"])
 def test_cli_reports_a_typo_with_exit_code_2(command, capsys):
     assert cli.main([command, DATA, "model.optimzer.lr=1e-5"]) == 2
     assert "did you mean 'model.optimizer'?" in capsys.readouterr().err

@@ -94,6 +94,19 @@ def test_preference_row_gives_a_chosen_then_rejected_pair(tmp_path, tok):
     assert (learned(tok, c2), learned(tok, r2)) == ("yes" + END, "no" + END)
 
 
+def test_whole_conversation_pairs_learn_only_what_follows_their_shared_turns(tmp_path, tok):
+    # TRL's implicit prompt: no "prompt" key; the common first messages are the prompt.
+    head = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"},
+            {"role": "user", "content": "q"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"chosen": head + [{"role": "assistant", "content": "yes"}],
+         "rejected": head + [{"role": "assistant", "content": "no"}]}])
+    [(chosen, rejected)] = load_preference_examples(OfflineDatasetConfig(path=str(path)), tok)
+    # The shared assistant turn "hey" is given, not learned.
+    assert (learned(tok, chosen), learned(tok, rejected)) == ("yes" + END, "no" + END)
+    assert given(tok, chosen) == given(tok, rejected)
+
+
 def test_size_keeps_the_first_rows_and_max_length_drops_long_examples(tmp_path, tok):
     rows = [{"prompt": "p", "answer": "x" * n} for n in (1, 50, 2, 3)]
     assert len(sft(tmp_path, tok, rows, size=2)) == 2

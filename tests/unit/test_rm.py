@@ -11,9 +11,16 @@ import torch
 from asyncrl.algorithms import bradley_terry_loss, make_bradley_terry_loss_fn
 from asyncrl.cli import main as cli_main
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.rm import PreferenceDatasetConfig, RMConfig
+from asyncrl.config.offline import OfflineDatasetConfig, RMConfig, TrainEngineConfig
+from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.data.loading import DatasetError
-from asyncrl.data.preference import collate_pairs, load_preference_pairs, row_conversations
+from asyncrl.data.offline import (
+    TokenRow,
+    collate,
+    last_token_row,
+    load_preference_examples,
+    preference_conversations,
+)
 from asyncrl.models.reward import encode_conversation
 from asyncrl.models.tiny import make_tiny_model, make_tiny_tokenizer
 from asyncrl.observe import read_stats
@@ -54,24 +61,41 @@ def test_bradley_terry_micro_batch_shares_add_up_to_the_batch_loss():
         fn(out[:3], None, n_tokens=6, n_seqs=6)
 
 
-# ---- preference rows ----------------------------------------------------------------------
+# ---- preference rows (the parser DPO uses; the RM's loss mask on the last token) ----------
+
+def rows(row):
+    """The (chosen, rejected) conversations the shared parser makes of `row`."""
+    chosen, rejected, _ = preference_conversations(row, system_prompt=None)
+    return chosen, rejected
+
 
 def test_rows_as_strings_chat_lists_or_whole_conversations():
     user, good, bad = "2+2?", "4", "5"
-    as_strings = row_conversations({"prompt": user, "chosen": good, "rejected": bad})
+    as_strings = rows({"prompt": user, "chosen": good, "rejected": bad})
     expected = ([{"role": "user", "content": user}, {"role": "assistant", "content": good}],
                 [{"role": "user", "content": user}, {"role": "assistant", "content": bad}])
     assert as_strings == expected
     chat = {"prompt": [{"role": "user", "content": user}],
             "chosen": [{"role": "assistant", "content": good}],
             "rejected": [{"role": "assistant", "content": bad}]}
-    assert row_conversations(chat) == expected
-    assert row_conversations({"chosen": expected[0], "rejected": expected[1]}) == expected
+    assert rows(chat) == expected
+    assert rows({"chosen": expected[0], "rejected": expected[1]}) == expected
     with pytest.raises(ValueError, match="whole conversations"):
-        row_conversations({"chosen": good, "rejected": bad})
-    with pytest.raises(ValueError, match=r"chosen\[0\] must be"):
-        row_conversations({"prompt": user, "chosen": [{"role": "bot", "content": good}],
-                           "rejected": bad})
+        rows({"chosen": good, "rejected": bad})
+    with pytest.raises(ValueError, match=r"chosen\[0\] has role 'bot'"):
+        rows({"prompt": user, "chosen": [{"role": "bot", "content": good}], "rejected": bad})
+
+
+def test_whole_conversations_share_their_common_first_messages_as_the_prompt():
+    # TRL's implicit prompt: [user, assistant, user] is common, the last turns differ.
+    head = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "2+2?"}]
+    row = {"chosen": head + [{"role": "assistant", "content": "4"}],
+           "rejected": head + [{"role": "assistant", "content": "5"}]}
+    assert preference_conversations(row, None)[2] == 3
+    # A side that only repeats the shared turns has no answer to compare.
+    with pytest.raises(ValueError, match="'rejected' has no assistant message after the 3"):
+        preference_conversations({"chosen": row["chosen"], "rejected": head}, None)
 
 
 def test_a_bad_row_names_its_file_and_line(tmp_path):
@@ -79,11 +103,31 @@ def test_a_bad_row_names_its_file_and_line(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
                     + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
     with pytest.raises(DatasetError, match=r"prefs.jsonl:2: missing \['rejected'\]"):
-        load_preference_pairs(PreferenceDatasetConfig(path=str(path)), make_tiny_tokenizer())
+        load_preference_examples(OfflineDatasetConfig(path=str(path)), make_tiny_tokenizer(),
+                                 to_row=last_token_row)
+
+
+def test_rm_rows_are_the_rl_scorers_tokens_with_the_last_one_marked(tmp_path):
+    tok = make_tiny_tokenizer()
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "five"}) + "\n")
+    [(chosen, rejected)] = load_preference_examples(OfflineDatasetConfig(path=str(path)), tok,
+                                                    to_row=last_token_row)
+    # RL scores [user: question, assistant: completion] with encode_conversation.
+    for row, answer in ((chosen, "4"), (rejected, "five")):
+        ids = encode_conversation(tok, [{"role": "user", "content": "2+2?"},
+                                        {"role": "assistant", "content": answer}])
+        assert row.input_ids == ids
+        assert row.loss_mask == [0] * (len(ids) - 1) + [1]
+    # "five" is 3 bytes (tokens) longer than "4".
+    assert len(rejected.input_ids) == len(chosen.input_ids) + 3
+    assert (chosen.label, rejected.label) == (1.0, 0.0)
 
 
 def test_pairs_collate_interleaved_with_the_last_real_token_marked():
-    batch = collate_pairs([([5, 6, 7], [5, 8]), ([9], [9, 9, 9, 9])], pad_token_id=0)
+    pairs = [([5, 6, 7], [5, 8]), ([9], [9, 9, 9, 9])]
+    batch = collate([TokenRow(ids, [0] * (len(ids) - 1) + [1]) for p in pairs for ids in p],
+                    pad_token_id=0)
     assert batch.input_ids.tolist() == [[5, 6, 7, 0], [5, 8, 0, 0], [9, 0, 0, 0], [9, 9, 9, 9]]
     assert batch.loss_mask.tolist() == [[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]]
 
@@ -93,6 +137,13 @@ def test_pairs_collate_interleaved_with_the_last_real_token_marked():
 def test_rm_config_names_bad_keys():
     cfg = load_config(None, ["train_dataset.path=p.jsonl", "model.path=/m"], schema=RMConfig)
     assert cfg.tokenizer_path == "/m" and cfg.valid_dataset is None
+    assert cfg.model.mb_spec.granularity == 2  # (chosen, rejected) share a micro-batch
+    with pytest.raises(ConfigError,
+                       match=r"granularity=3 would split .*\(reward-model training sets 2\)"):
+        load_config(None, ["train_dataset.path=p", "model.mb_spec.granularity=3"],
+                    schema=RMConfig)
+    with pytest.raises(ConfigError, match="format=chat is not a reward-model format"):
+        load_config(None, ["train_dataset.path=p", "train_dataset.format=chat"], schema=RMConfig)
     with pytest.raises(ConfigError, match="train_dataset.path is empty"):
         load_config(None, [], schema=RMConfig)
     with pytest.raises(ConfigError, match="valid_dataset.batch_size must be >= 1"):
@@ -198,19 +249,22 @@ def test_the_rm_reward_runs_in_the_reward_runner_and_surfaces_errors(trained_rm)
         runner.close()
 
 
-def test_micro_batches_keep_pairs_whole_and_add_up_to_one_big_batch(tmp_path):
-    from asyncrl.config.rm import RMModelConfig
-    from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
+def make_rm_engine(path, budget, granularity=2, **kw):
     from asyncrl.training import FSDPRewardEngine
 
+    cfg = TrainEngineConfig(path=path, dtype="float32", mb_spec=MicroBatchSpec(
+        max_tokens_per_mb=budget, granularity=granularity), optimizer=OptimizerConfig(lr=1e-3))
+    return FSDPRewardEngine(cfg.engine_config(), total_steps=1, **kw)
+
+
+def test_micro_batches_keep_pairs_whole_and_add_up_to_one_big_batch(tmp_path):
     torch.set_num_threads(1)
     path = make_tiny_model(tmp_path / "tiny")
-    batch = collate_pairs([([5] * 6, [6] * 3), ([7] * 2, [8] * 5), ([9] * 4, [9] * 4)], 0)
+    pairs = [([5] * 6, [6] * 3), ([7] * 2, [8] * 5), ([9] * 4, [9] * 4)]
+    batch = collate([TokenRow(ids, [0] * (len(ids) - 1) + [1]) for p in pairs for ids in p], 0)
     results = []
     for budget in (1000, 10):
-        cfg = RMModelConfig(path=path, dtype="float32", mb_spec=MicroBatchSpec(
-            max_tokens_per_mb=budget), optimizer=OptimizerConfig(lr=1e-3))
-        engine = FSDPRewardEngine(cfg, total_steps=1)
+        engine = make_rm_engine(path, budget)
         engine.initialize()
         plan = engine._my_micro_batches(batch)
         results.append((plan, engine.train_batch(batch, make_bradley_terry_loss_fn())))
@@ -222,3 +276,34 @@ def test_micro_batches_keep_pairs_whole_and_add_up_to_one_big_batch(tmp_path):
     assert many["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert many["accuracy"] == one["accuracy"] and many["grad_norm"] == pytest.approx(
         one["grad_norm"], rel=1e-4)
+    # Without pair granularity, rows sorted by length would pair the wrong rows: refused.
+    with pytest.raises(ValueError, match="granularity=1: a reward model trains on"):
+        make_rm_engine(path, 10, granularity=1)
+
+
+def test_the_system_prompt_rm_training_uses_is_the_one_rl_scoring_uses(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    torch.set_num_threads(1)
+    tok, system = make_tiny_tokenizer(), "Judge the answer."
+    path = make_tiny_model(tmp_path / "tiny")
+    engine = make_rm_engine(path, 1000, system_prompt=system)
+    engine.initialize()
+    engine.save_hf(str(tmp_path / "rm"))
+    engine.destroy()
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    [(chosen, _)] = load_preference_examples(OfflineDatasetConfig(path=str(data)), tok,
+                                             system_prompt=system, to_row=last_token_row)
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32)
+    with torch.no_grad():
+        trained_on = float(hf(input_ids=torch.tensor([chosen.input_ids])).logits[0, 0])
+    scorer = RewardModelScorer(str(tmp_path / "rm"))
+    item = {"id": "q", "question": "2+2?"}
+    assert scorer("4", item) == pytest.approx(trained_on, abs=1e-5)
+    # Without the system turn the tokens, and so the score, would differ.
+    bare = encode_conversation(tok, [{"role": "user", "content": "2+2?"},
+                                     {"role": "assistant", "content": "4"}])
+    with torch.no_grad():
+        unprompted = float(hf(input_ids=torch.tensor([bare])).logits[0, 0])
+    assert scorer("4", item) != pytest.approx(unprompted, abs=1e-4)

@@ -1,15 +1,16 @@
-"""Configs of the offline trainers (SFT, DPO): a dataset of fixed rows, no rollouts.
+"""Configs of the offline trainers (SFT, DPO, reward model): fixed rows, no rollouts.
 
-They share `OfflineConfig`; keys keep AReaL's names where AReaL has them (`model` is its
-TrainEngineConfig section, `total_train_epochs`, `train_dataset.batch_size`, ...) and TRL's
-for DPO (`beta`, `loss_type`, `label_smoothing`). Load one with
+They share `OfflineConfig`; DPO and the reward model share `PreferenceConfig` too (pair
+rows, kept in one micro-batch). Keys keep AReaL's names where AReaL has them (`model` is
+its TrainEngineConfig section, `total_train_epochs`, `train_dataset.batch_size`, ...) and
+TRL's for DPO (`beta`, `loss_type`, `label_smoothing`). Load one with
 `load_config(path, overrides, schema=SFTConfig)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from asyncrl.config.schema import (
     ActorConfig,
@@ -23,7 +24,7 @@ from asyncrl.config.schema import (
 )
 
 SFT_FORMATS = ("auto", "prompt_answer", "chat", "gsm8k")
-DPO_FORMATS = ("auto", "preference")
+PREFERENCE_FORMATS = ("auto", "preference")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 
@@ -52,10 +53,11 @@ class OfflineDatasetConfig:
     split: str = "train"  # for folders
     # The row shape. auto: from each row's keys. prompt_answer: {"prompt", "answer" or
     # "completion"}. chat: {"messages": [{"role", "content"}, ...]} (loss on assistant turns).
-    # gsm8k: {"question", "answer"} (the answer is the whole solution). preference (DPO):
-    # {"prompt", "chosen", "rejected"}, each a string or a list of chat messages.
+    # gsm8k: {"question", "answer"} (the answer is the whole solution). preference (DPO,
+    # RM): {"prompt", "chosen", "rejected"}, each a string or a list of chat messages, or
+    # {"chosen", "rejected"} as whole conversations (TRL's implicit prompt).
     format: Literal["auto", "prompt_answer", "chat", "gsm8k", "preference"] = "auto"
-    batch_size: int = 8  # examples (SFT rows, DPO pairs) per optimiser step or eval forward
+    batch_size: int = 8  # examples (SFT rows, DPO/RM pairs) per optimiser step or eval forward
     shuffle: bool = True  # reshuffled every epoch from (seed, epoch)
     # Examples with a row longer than this many tokens (prompt + answer) are dropped.
     max_length: Optional[int] = None
@@ -91,7 +93,7 @@ class OfflineSchedulerConfig:
 
 @dataclass(kw_only=True)
 class OfflineConfig:
-    """What every offline trainer reads; SFTConfig and DPOConfig add their own keys."""
+    """What every offline trainer reads; SFTConfig, DPOConfig and RMConfig add their own."""
 
     experiment_name: str = "asyncrl-offline"
     trial_name: str = "trial0"
@@ -141,13 +143,39 @@ class SFTConfig(OfflineConfig):
         for name, ds in self._datasets():
             _check(ds.format in SFT_FORMATS,
                    f"{name}.format={ds.format} is not an SFT format; use one of {SFT_FORMATS} "
-                   f"(preference rows are for `asyncrl dpo`)")
+                   f"(preference rows are for `asyncrl dpo` or `asyncrl rm`)")
 
 
 @dataclass(kw_only=True)
-class DPOConfig(OfflineConfig):
+class PreferenceConfig(OfflineConfig):
+    """What DPO and reward-model training share: (chosen, rejected) rows, one micro-batch."""
+
+    TRAINER: ClassVar[str] = "preference"  # names the trainer in errors
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # A pair's loss needs both rows in one micro-batch: the planner keeps units of
+        # `granularity` consecutive rows (chosen, rejected) together.
+        spec = self.model.mb_spec
+        if spec.granularity == 1:
+            spec.granularity = 2
+        _check(spec.granularity % 2 == 0,
+               f"model.mb_spec.granularity={spec.granularity} would split (chosen, rejected) "
+               f"pairs across micro-batches; drop it ({self.TRAINER} training sets 2) or make "
+               f"it even")
+
+    def _check_formats(self) -> None:
+        for name, ds in self._datasets():
+            _check(ds.format in PREFERENCE_FORMATS,
+                   f"{name}.format={ds.format} is not a {self.TRAINER} format; use one of "
+                   f"{PREFERENCE_FORMATS}")
+
+
+@dataclass(kw_only=True)
+class DPOConfig(PreferenceConfig):
     """Direct preference optimisation on (prompt, chosen, rejected) rows."""
 
+    TRAINER: ClassVar[str] = "DPO"
     experiment_name: str = "asyncrl-dpo"
     # The frozen reference policy; its log-probs are computed once per dataset, then it is
     # freed. Defaults to the model's starting weights at the model's dtype.
@@ -170,19 +198,18 @@ class DPOConfig(OfflineConfig):
         _check(self.label_smoothing == 0 or self.loss_type == "sigmoid",
                f"label_smoothing={self.label_smoothing} applies to loss_type=sigmoid only; "
                f"set label_smoothing=0 for loss_type={self.loss_type}")
-        # A pair's loss needs both rows in one micro-batch: the planner keeps units of
-        # `granularity` consecutive rows (chosen, rejected) together.
-        spec = self.model.mb_spec
-        if spec.granularity == 1:
-            spec.granularity = 2
-        _check(spec.granularity % 2 == 0,
-               f"model.mb_spec.granularity={spec.granularity} would split (chosen, rejected) "
-               f"pairs across micro-batches; drop it (DPO sets 2) or make it even")
-
-    def _check_formats(self) -> None:
-        for name, ds in self._datasets():
-            _check(ds.format in DPO_FORMATS,
-                   f"{name}.format={ds.format} is not a DPO format; use one of {DPO_FORMATS}")
 
 
-TRAINER_SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig}
+@dataclass(kw_only=True)
+class RMConfig(PreferenceConfig):
+    """Reward-model training: -log sigmoid(r_chosen - r_rejected), mean over pairs.
+
+    `model.path`'s decoder gets a fresh scalar head (seeded by `seed`). `system_prompt` is
+    saved in the model's config, so RL scoring renders completions as training did.
+    """
+
+    TRAINER: ClassVar[str] = "reward-model"
+    experiment_name: str = "asyncrl-rm"
+
+
+TRAINER_SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}

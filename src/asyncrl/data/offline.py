@@ -1,14 +1,16 @@
-"""Rows for offline training (SFT, DPO): JSONL parsed, rendered by the chat template, tokenised.
+"""Rows for offline training (SFT, DPO, RM): JSONL parsed, rendered by the chat template, tokenised.
 
-An example is the rows that train together: one row for SFT, (chosen, rejected) for DPO.
-A row's loss mask is 1 on the tokens of the assistant turns being learned, end-of-turn
-tokens included (so the model learns to stop), and 0 on everything the model is given.
+An example is the rows that train together: one row for SFT, (chosen, rejected) for DPO
+and reward models. A row's loss mask marks the tokens its loss reads: for SFT and DPO the
+assistant turns being learned, end-of-turn tokens included (so the model learns to stop);
+for a reward model the last token, where its score is read (`last_token_row`).
 
 Row shapes (`OfflineDatasetConfig.format`):
   prompt_answer  {"prompt", "answer" | "completion"}
   chat           {"messages": [{"role", "content"}, ...]}: every assistant turn is learned
   gsm8k          {"question", "answer"}: the answer is the worked solution, learned whole
-  preference     {"prompt", "chosen", "rejected"}
+  preference     {"prompt", "chosen", "rejected"}, or {"chosen", "rejected"} as whole
+                 conversations (TRL's implicit prompt: their common first messages)
 A prompt is a string (one user turn, after `system_prompt` if set) or a list of chat
 messages; an answer, chosen or rejected is a string (one assistant turn) or a list of
 messages that continue the prompt.
@@ -29,6 +31,7 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config.offline import OfflineDatasetConfig
 from asyncrl.data.loading import DatasetError, _split_files
 from asyncrl.data.prompts import build_messages, encode_chat
+from asyncrl.models.reward import encode_conversation
 
 ROLES = ("system", "user", "assistant", "tool")
 SFT_SHAPES = "{prompt, answer|completion}, {messages} or {question, answer}"
@@ -42,12 +45,14 @@ class TokenRow:
 
     input_ids: list[int]
     loss_mask: list[int]
-    label: float = 0.0  # DPO: 1 on the chosen row, 0 on the rejected one
+    label: float = 0.0  # preference pairs: 1 on the chosen row, 0 on the rejected one
     ref_logprobs: torch.Tensor | None = None  # [len(input_ids)]: the reference model's
 
 
 Example = list[TokenRow]
 Messages = list[dict[str, str]]
+# (tokenizer, messages, index of the first learned message) -> a row with its loss mask.
+RowFn = Callable[[Any, Messages, int], TokenRow]
 
 
 # -- reading ----------------------------------------------------------------------------
@@ -133,7 +138,7 @@ def _sft_format(row: dict) -> str:
         return "chat"
     if "chosen" in row or "rejected" in row:
         raise DatasetError("a preference row (chosen/rejected) in an SFT dataset; train it "
-                           "with `asyncrl dpo`")
+                           "with `asyncrl dpo` or `asyncrl rm`")
     if "prompt" in row:
         return "prompt_answer"
     if "question" in row:
@@ -164,17 +169,43 @@ def sft_conversation(row: dict, fmt: str, system_prompt: str | None) -> tuple[Me
 
 def preference_conversations(row: dict,
                              system_prompt: str | None) -> tuple[Messages, Messages, int]:
-    """(prompt + chosen, prompt + rejected, number of prompt messages) of a preference row."""
-    missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+    """(chosen, rejected) conversations of a preference row, and how many messages they share.
+
+    With a prompt, chosen and rejected continue it. Without one they are whole conversations
+    (TRL's implicit-prompt form) and the prompt is their longest common first messages.
+    """
+    missing = [k for k in ("chosen", "rejected") if k not in row]
     if missing:
         raise DatasetError(f"missing {missing}: preference rows are {{prompt, chosen, "
-                           f"rejected}}; the row has {sorted(row)}")
-    prompt = _prompt(row, "prompt", system_prompt)
-    chosen, rejected = _reply(row, "chosen"), _reply(row, "rejected")
+                           f"rejected}} (or chosen and rejected as whole conversations); the "
+                           f"row has {sorted(row)}")
+    if "prompt" in row:
+        prompt = _prompt(row, "prompt", system_prompt)
+        chosen, rejected = prompt + _reply(row, "chosen"), prompt + _reply(row, "rejected")
+        shared = len(prompt)
+    else:
+        chosen, rejected, shared = _implicit_prompt_pair(row)
     if chosen == rejected:
         raise DatasetError("'chosen' and 'rejected' are identical: the pair carries no "
                            "preference")
-    return prompt + chosen, prompt + rejected, len(prompt)
+    return chosen, rejected, shared
+
+
+def _implicit_prompt_pair(row: dict) -> tuple[Messages, Messages, int]:
+    """Whole-conversation chosen and rejected, and the length of their common prefix."""
+    if not (isinstance(row["chosen"], list) and isinstance(row["rejected"], list)):
+        raise DatasetError("no 'prompt': chosen and rejected must then be whole conversations "
+                           "(message lists); or add the prompt")
+    chosen = check_messages(row["chosen"], "chosen")
+    rejected = check_messages(row["rejected"], "rejected")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    for key, messages in (("chosen", chosen), ("rejected", rejected)):
+        if not any(m["role"] == "assistant" for m in messages[shared:]):
+            raise DatasetError(f"{key!r} has no assistant message after the {shared} messages "
+                               "it shares with the other side (the implicit prompt)")
+    return chosen, rejected, shared
 
 
 # -- tokenising -------------------------------------------------------------------------
@@ -207,6 +238,16 @@ def tokenize_conversation(tokenizer: Any, messages: Messages, loss_from: int = 0
     if not any(mask):
         raise DatasetError("no assistant tokens to learn after the prompt")
     return TokenRow(input_ids=ids, loss_mask=mask)
+
+
+def last_token_row(tokenizer: Any, messages: Messages, loss_from: int = 0) -> TokenRow:
+    """Tokens of the whole conversation as a reward model scores it; loss on the last token.
+
+    The tokens are `encode_conversation`'s, the rendering RL scoring uses (so a trained
+    reward model sees completions as it saw training rows); `loss_from` plays no part.
+    """
+    ids = encode_conversation(tokenizer, messages)
+    return TokenRow(input_ids=ids, loss_mask=[0] * (len(ids) - 1) + [1])
 
 
 # -- datasets ---------------------------------------------------------------------------
@@ -248,11 +289,16 @@ def load_sft_examples(cfg: OfflineDatasetConfig, tokenizer: Any,
 
 
 def load_preference_examples(cfg: OfflineDatasetConfig, tokenizer: Any,
-                             system_prompt: str | None = None) -> list[Example]:
-    """(chosen, rejected) examples of a preference dataset; labels 1 and 0."""
+                             system_prompt: str | None = None, *,
+                             to_row: RowFn = tokenize_conversation) -> list[Example]:
+    """(chosen, rejected) examples of a preference dataset; labels 1 and 0.
+
+    `to_row` sets what the loss reads: the answer tokens (DPO, the default) or the last
+    token (`last_token_row`, reward models).
+    """
     def parse(row: dict) -> Example:
         chosen, rejected, loss_from = preference_conversations(row, system_prompt)
-        pair = [tokenize_conversation(tokenizer, m, loss_from) for m in (chosen, rejected)]
+        pair = [to_row(tokenizer, m, loss_from) for m in (chosen, rejected)]
         pair[0].label = 1.0
         return pair
     return _load(cfg, parse)

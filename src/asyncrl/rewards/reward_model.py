@@ -1,7 +1,8 @@
 """A trained reward model as an RL reward function (`workflow.reward_fn: reward_model`).
 
 It scores [user: item["question"], assistant: completion] rendered by the reward model's
-chat template (what `asyncrl rm` trains on for string prompts), with no gradient, on the
+chat template (what `asyncrl rm` trains on for string prompts), after a system turn if the
+model was trained with `system_prompt` (saved in its config), with no gradient, on the
 CPU. The reward runner calls it in worker processes: the model is loaded when a worker
 unpickles the scorer, so loading counts against the worker's start-up time and not
 against `workflow.reward_timeout`. Every failure raises; nothing is scored 0.
@@ -34,6 +35,7 @@ class RewardModelScorer:
         self._lock = threading.Lock()
         self._model: torch.nn.Module | None = None
         self._tokenizer: Any = None
+        self._system_prompt: str | None = None
 
     def __repr__(self) -> str:  # names the function in reward errors
         return f"reward_model({self.path})"
@@ -44,6 +46,7 @@ class RewardModelScorer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path, self.threads = state["path"], state["threads"]
         self._lock, self._model, self._tokenizer = threading.Lock(), None, None
+        self._system_prompt = None
         if multiprocessing.parent_process() is not None:
             # Unpickled in a reward worker process: its own threads, and the model loaded now.
             torch.set_num_threads(self.threads)
@@ -56,6 +59,8 @@ class RewardModelScorer:
             if self._model is None:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
                 self._model = load_reward_model(self.path).eval()
+                # The system turn `asyncrl rm` rendered its rows with (see FSDPRewardEngine).
+                self._system_prompt = getattr(self._model.config, "system_prompt", None)
         return self._model, self._tokenizer
 
     def __call__(self, completion: str, item: dict[str, Any]) -> float:
@@ -65,7 +70,8 @@ class RewardModelScorer:
     def score_batch(self, samples: list[tuple[str, dict[str, Any]]]) -> list[float]:
         """Rewards of (completion, item) samples, right-padded into one forward."""
         model, tokenizer = self._load()
-        rows = [encode_conversation(tokenizer, _conversation(c, item)) for c, item in samples]
+        rows = [encode_conversation(tokenizer, _conversation(c, item, self._system_prompt))
+                for c, item in samples]
         width = max(map(len, rows))
         input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -74,9 +80,12 @@ class RewardModelScorer:
         return last_token_scores(model, input_ids, mask).tolist()
 
 
-def _conversation(completion: str, item: dict[str, Any]) -> list[dict[str, str]]:
+def _conversation(completion: str, item: dict[str, Any],
+                  system_prompt: str | None) -> list[dict[str, str]]:
+    """The messages of a training row {"prompt": question, "chosen": completion}."""
     if not isinstance(item.get("question"), str):
         raise ValueError(f"item {item.get('id', '?')!r} has no 'question' string for the "
                          "reward model to score the completion against")
-    return [{"role": "user", "content": item["question"]},
-            {"role": "assistant", "content": completion}]
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + [{"role": "user", "content": item["question"]},
+                     {"role": "assistant", "content": completion}]

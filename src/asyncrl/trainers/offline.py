@@ -3,9 +3,11 @@
 Epochs over a list of examples (reshuffled each epoch from (seed, epoch)), `batch_size`
 examples per optimiser step, held-out evaluation before training, every N steps and after,
 stats.jsonl and a progress bar like the RL trainer, and the final model as an HF folder.
-A trainer tokenises its examples, picks its loss and calls `OfflineTrainer.fit`.
+A trainer tokenises its examples, picks its loss (and its engine: the policy's
+`FSDPTrainEngine` by default, `FSDPRewardEngine` for reward models) and calls
+`OfflineTrainer.fit`.
 
-Evaluation runs the same loss function on the engine's no-grad log-probs, the whole
+Evaluation runs the same loss function on the engine's no-grad outputs, the whole
 held-out set treated as one batch (normalisers over all of it), so `eval/loss` is the
 held-out value of exactly the training objective, and the loss's stats its held-out means.
 """
@@ -16,7 +18,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -64,7 +66,7 @@ def evaluate(engine: Any, examples: list[Example], loss_fn: LossFn, *, batch_siz
     per_chunk = []
     for chunk in chunks(examples, batch_size):
         batch = collate([r for ex in chunk for r in ex], pad_token_id)
-        loss, stats = loss_fn(engine.compute_logprobs(batch), batch, n_tokens=n_tokens,
+        loss, stats = loss_fn(engine.compute_outputs(batch), batch, n_tokens=n_tokens,
                               n_seqs=len(rows))
         per_chunk.append({"loss": float(loss), **stats})
     return reduce_stats(per_chunk)
@@ -105,12 +107,17 @@ class OfflineTrainer:
         torch.set_num_threads(self._threads)
 
     def fit(self, train: list[Example], valid: list[Example], loss_fn: LossFn, *,
-            show: Sequence[str] = ("train/loss",)) -> dict[str, Any]:
-        """Train on `train`, evaluate on `valid`, save; returns the summary. `show`: bar stats."""
+            show: Sequence[str] = ("train/loss",),
+            engine_cls: Callable[..., FSDPTrainEngine] = FSDPTrainEngine) -> dict[str, Any]:
+        """Train on `train`, evaluate on `valid`, save; returns the summary.
+
+        `show`: the progress bar's stats. `engine_cls`: the engine class (or a callable
+        taking its arguments) built on `model`'s section; its outputs are what `loss_fn` reads.
+        """
         cfg = self.cfg
         steps_per_epoch = math.ceil(len(train) / cfg.train_dataset.batch_size)
         total = min(cfg.total_train_epochs * steps_per_epoch, cfg.total_train_steps or 10**12)
-        engine = FSDPTrainEngine(cfg.model.engine_config(), total_steps=total, seed=cfg.seed)
+        engine = engine_cls(cfg.model.engine_config(), total_steps=total, seed=cfg.seed)
         engine.initialize()
         log_cfg = cfg.stats_logger if self.is_main else StatsLoggerConfig(
             jsonl=False, tensorboard=False, progress_bar=False)

@@ -273,6 +273,14 @@ class FSDPTrainEngine:
         """Token-aligned log-probs [B, T] (fp32, CPU); position 0 and padding hold 0."""
         return self._forward_all(batch)
 
+    def compute_outputs(self, batch: TensorBatch) -> torch.Tensor:
+        """The root's per-token output [B, T] without gradient, what `train_batch`'s loss reads.
+
+        Log-probs for a policy, values for a critic, scores for a reward model: so a loss
+        function can be evaluated on held-out rows whatever the engine.
+        """
+        return self._forward_all(batch)
+
     @torch.no_grad()
     def _forward_all(self, batch: TensorBatch) -> torch.Tensor:
         """The root's per-token output [B, T] on every real token after the first (fp32, CPU)."""

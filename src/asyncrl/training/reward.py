@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from asyncrl.api.types import TensorBatch
-from asyncrl.config.rm import RMModelConfig
+from asyncrl.config.schema import ActorConfig
 from asyncrl.models.reward import last_token_scores, load_reward_model
 from asyncrl.training.engine import FSDPTrainEngine, targets_loss
-from asyncrl.training.microbatch import plan_micro_batches
 
 
 class RewardModel(nn.Module):
@@ -37,12 +36,21 @@ class RewardModel(nn.Module):
 class FSDPRewardEngine(FSDPTrainEngine):
     """A data-parallel FSDP2 reward model trained on (chosen, rejected) row pairs.
 
-    Batches hold pairs as consecutive rows (2i chosen, 2i + 1 rejected). Micro-batches and
-    ranks get whole pairs, in order, so a pair loss sees both of its rows.
+    Batches hold pairs as consecutive rows (2i chosen, 2i + 1 rejected); an even
+    `mb_spec.granularity` (RMConfig sets 2) gives micro-batches and ranks whole pairs.
+    `system_prompt` (the one the training rows were rendered with) is stored in the saved
+    model's config, where RL scoring (`rewards/reward_model.py`) reads it back.
     """
 
-    def __init__(self, cfg: RMModelConfig, *, total_steps: int, seed: int = 1) -> None:
+    def __init__(self, cfg: ActorConfig, *, total_steps: int, seed: int = 1,
+                 system_prompt: str | None = None) -> None:
+        if cfg.mb_spec.granularity % 2:
+            # Rows sorted by length into micro-batches would pair a chosen row with the
+            # wrong rejected one, silently.
+            raise ValueError(f"mb_spec.granularity={cfg.mb_spec.granularity}: a reward model "
+                             "trains on (chosen, rejected) pairs; make it even (RMConfig sets 2)")
         super().__init__(cfg, total_steps=total_steps, seed=seed)  # reads the shared keys
+        self.system_prompt = system_prompt
 
     def _train_forward(self, model: nn.Module, mb: TensorBatch,
                        n_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -52,26 +60,11 @@ class FSDPRewardEngine(FSDPTrainEngine):
         return RewardModel(hf_model)
 
     def _load_hf_model(self, path: str) -> nn.Module:
-        return load_reward_model(path, from_scratch=self.cfg.init_from_scratch)
-
-    def _my_micro_batches(self, batch: TensorBatch) -> list[tuple[list[int], bool]]:
-        """The base planner over pairs (a pair is as long as its longer row), rows in order."""
-        lengths = batch.seq_lens.tolist()
-        if len(lengths) % 2:
-            raise ValueError(f"a reward-model batch holds (chosen, rejected) pairs; got "
-                             f"{len(lengths)} rows")
-        pair_lengths = [max(lengths[i], lengths[i + 1]) for i in range(0, len(lengths), 2)]
-        # Two rows per pair: half the token budget per pair keeps micro-batches in budget.
-        budget = max(1, self.cfg.mb_spec.max_tokens_per_mb // 2)
-        plans = plan_micro_batches(pair_lengths, budget, self.world_size)
-        mine = [sorted(mb) for mb in plans[self.rank]]
-        mine = [[row for p in mb for row in (2 * p, 2 * p + 1)] for mb in mine]
-        n = max(len(p) for p in plans)
-        return [(mine[i], True) if i < len(mine) else (mine[0], False) for i in range(n)]
-
-    def compute_rewards(self, batch: TensorBatch) -> torch.Tensor:
-        """[B] rewards (fp32, CPU), one per row."""
-        return self._forward_all(batch).sum(-1)
+        model = load_reward_model(path, from_scratch=self.cfg.init_from_scratch)
+        # Set even when None: a reward model retrained without one must not keep the old one.
+        model.config.system_prompt = self.system_prompt
+        return model
 
     def compute_logprobs(self, batch: TensorBatch) -> torch.Tensor:
-        raise TypeError("a reward model has no log-probs; call compute_rewards")
+        raise TypeError("a reward model has no log-probs; call compute_outputs (its scores, "
+                        "at each row's last token)")
