@@ -41,6 +41,12 @@ RL_SETTINGS = {
              "actor.overlong_tokens=8", "experiment_name=bench-dapo"],
 }
 
+# Each algorithm's own part, shown at its first and last step.
+ALGORITHM_STATS = {
+    "ppo": ["critic/loss", "critic/explained_var", "critic/values_mean"],
+    "dapo": ["rollout/groups_dropped", "rollout/groups_dropped_total"],
+}
+
 
 def run_sft(root: str, gsm8k: str, overrides: list[str]) -> dict[str, Any]:
     from asyncrl.trainers.sft import train
@@ -102,10 +108,8 @@ def run_rl(algo: str, root: str, overrides: list[str]) -> dict[str, Any]:
     last = sum(r["rollout/reward"] for r in rows[-k:]) / k
     out = {"held-out greedy reward": (summary["eval_before"], summary["eval_after"]),
            f"training reward, first/last {k} steps": (first, last)}
-    extra = [key for key in rows[-1] if key.startswith(("train/critic", "critic/",
-                                                         "rollout/groups_dropped"))]
-    for key in extra:
-        out[key] = (rows[0][key], rows[-1][key])
+    for key in ALGORITHM_STATS[algo]:
+        out[f"{key} (step 1 / last)"] = (rows[0][key], rows[-1][key])
     return out
 
 
@@ -128,7 +132,7 @@ def main() -> None:
     print(f"\n{args.algo} on SmolLM2-135M-Instruct ({time.monotonic() - t0:.0f} s)")
     print(f"{'figure':44s} | {'before':>9s} | {'after':>9s}")
     for key, (before, after) in result.items():
-        print(f"{key:44s} | {before:9.4f} | {after:9.4f}")
+        print(f"{key:44s} | {before:9.4g} | {after:9.4g}")
 
 
 if __name__ == "__main__":
