@@ -42,14 +42,27 @@ def _grpo_batch() -> TensorBatch:
                       ref_logprobs=[[-1, -1], [-1, -1], [-2, -2], [-2, -2]])
 
 
-def test_in_reward_kl_penalises_the_sequence_reward_before_group_normalisation():
-    # kl_ctl 0.5: rewards [1 - 0.5*1, 0 - 0, 1 - 0.5*2, 1 - 0] = [0.5, 0, 0, 1].
-    # Group 1 [0.5, 0]: mean 0.25, std 0.25 -> +-0.25 / (0.25 + eps). Group 2 [0, 1]: mean
-    # 0.5, std 0.5 -> -+0.5 / (0.5 + eps) (without the KL its equal rewards would give zeros).
+def test_in_reward_kl_is_a_per_token_reward_after_normalisation_counted_from_each_token_on():
+    # Rewards [1, 0 | 1, 1] normalised per group: [a, -a | 0, 0], a = 0.5 / (0.5 + eps).
+    # Token rewards (kl_ctl 0.5): -0.5 * kl_t on every loss token, the score on the last one.
+    # Advantage = reward-to-go (V = 0, gamma = lambda = 1):
+    # row 0: r = [-0.25, a - 0.25] -> [a - 0.5, a - 0.25]; row 1: r = [0, -a] -> [-a, -a];
+    # row 2: r = [-0.5, -0.5] -> [-1, -0.5]; row 3: [0, 0].
     cfg = ActorConfig(path="x", kl_ctl=0.5, reward_norm=NormConfig(group_size=2))
     adv = compute_advantages(_grpo_batch(), cfg)
-    a1, a2 = 0.25 / (0.25 + EPS), 0.5 / (0.5 + EPS)
-    torch.testing.assert_close(adv, torch.tensor([a1, -a1, -a2, a2])[:, None].expand(4, 2))
+    a = 0.5 / (0.5 + EPS)
+    torch.testing.assert_close(adv, torch.tensor([[a - 0.5, a - 0.25], [-a, -a], [-1.0, -0.5],
+                                                  [0.0, 0.0]]))
+
+
+def test_reinforce_plus_plus_returns_count_only_the_kl_still_to_come():
+    # REINFORCE++ (no reward norm, gamma 1): A_t = r - kl_ctl * sum_{s >= t} kl_s.
+    # One row, reward 2, k1 per token [0.5, 1, 2], kl_ctl 0.1:
+    # A = [2 - 0.35, 2 - 0.3, 2 - 0.2] = [1.65, 1.7, 1.8].
+    batch = make_batch([2.0], [[1, 1, 1]], behavior_logprobs=[[-0.5, -1.0, -1.0]],
+                       ref_logprobs=[[-1.0, -2.0, -3.0]])
+    cfg = ActorConfig(path="x", kl_ctl=0.1, reward_norm=None)
+    torch.testing.assert_close(compute_advantages(batch, cfg), torch.tensor([[1.65, 1.7, 1.8]]))
 
 
 def test_in_reward_kl_prefers_the_recomputed_proximal_logprobs():

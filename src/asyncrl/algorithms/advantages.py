@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algorithms.distill import on_policy_advantages
-from asyncrl.algorithms.kl import sequence_kl
+from asyncrl.algorithms.kl import token_kl
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.schema import ActorConfig, NormConfig
 
@@ -141,11 +141,10 @@ def in_reward_kl_logprobs(batch: TensorBatch) -> torch.Tensor:
 
 
 def sequence_rewards(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
-    """[B] rewards after the overlong penalty, shaping, in-reward KL and `reward_norm`.
+    """[B] rewards after the overlong penalty, shaping and `reward_norm`.
 
     Steps: optional overlong penalty on the raw reward -> (r + reward_bias) * reward_scaling
-    -> optional clip to [-reward_clip, reward_clip] -> in-reward KL (kl_ctl > 0 and not
-    use_kl_loss): minus kl_ctl * the sequence's summed token KL -> `reward_norm` over rows.
+    -> optional clip to [-reward_clip, reward_clip] -> `reward_norm` over rows.
     """
     mask = (batch.loss_mask > 0).float()
     rewards = batch.rewards.float()
@@ -153,9 +152,6 @@ def sequence_rewards(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
         rewards = rewards + _overlong_penalty_of(mask.sum(-1), cfg)
     rewards = shape_rewards(rewards, scaling=cfg.reward_scaling, bias=cfg.reward_bias,
                             clip=cfg.reward_clip)
-    if cfg.kl_ctl > 0 and not cfg.use_kl_loss:
-        kl = sequence_kl(batch, in_reward_kl_logprobs(batch), cfg.kl_estimator)
-        rewards = rewards - cfg.kl_ctl * kl
     if cfg.reward_norm is not None:
         rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm")
     return rewards
@@ -199,10 +195,12 @@ def compute_advantages_and_returns(batch: TensorBatch,
                                    cfg: ActorConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Advantages [B, T] (0 off the loss tokens) and, with a critic, its GAE returns [B, T].
 
-    The sequence reward (`sequence_rewards`) is the reward of the last loss token. With the
-    critic's `batch.values`, or discount / gae_lambda below 1, advantages are GAE over the
-    values (0 without a critic); otherwise every loss token gets the sequence reward (what
-    GAE gives for V = 0, discount = gae_lambda = 1, without its loop). `adv_norm` then
+    The sequence reward (`sequence_rewards`) is the reward of the last loss token; the
+    in-reward KL, if on, is a per-token reward on every loss token (`token_rewards`, as in
+    AReaL). With the critic's `batch.values`, discount / gae_lambda below 1 or the in-reward
+    KL, advantages are GAE over the values (0 without a critic): with V = 0 and
+    discount = gae_lambda = 1 each token's reward-to-go. Otherwise every loss token gets the
+    sequence reward (what GAE gives then, without its loop). `adv_norm` then
     normalises the advantages over the loss tokens; the returns are taken before it.
     Pure on-policy distillation replaces everything before `adv_norm` with the teacher's
     per-token signal (rewards unused).
@@ -217,14 +215,25 @@ def compute_advantages_and_returns(batch: TensorBatch,
     return advantages, returns
 
 
+def token_rewards(batch: TensorBatch, cfg: ActorConfig, rewards: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each row's sequence reward on its last loss token, and with the in-reward KL
+    (kl_ctl > 0, not use_kl_loss) a penalty of -kl_ctl * kl_t on every loss token t."""
+    out = last_token_rewards(rewards, mask)
+    if cfg.kl_ctl > 0 and not cfg.use_kl_loss:
+        out = out - cfg.kl_ctl * token_kl(batch, in_reward_kl_logprobs(batch), cfg.kl_estimator)
+    return out
+
+
 def _reward_advantages(batch: TensorBatch, cfg: ActorConfig,
                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages from the sequence rewards (broadcast, or GAE), and the critic's returns."""
+    """Advantages from the token rewards (GAE, or its broadcast shortcut), critic returns."""
     rewards = sequence_rewards(batch, cfg)
-    if batch.values is None and cfg.discount == 1 and cfg.gae_lambda == 1:
+    in_reward_kl = cfg.kl_ctl > 0 and not cfg.use_kl_loss
+    if batch.values is None and cfg.discount == 1 and cfg.gae_lambda == 1 and not in_reward_kl:
         return rewards[:, None] * mask, None
     values = torch.zeros_like(mask) if batch.values is None else batch.values.float() * mask
-    advantages, returns = gae(last_token_rewards(rewards, mask), values, mask,
+    advantages, returns = gae(token_rewards(batch, cfg, rewards, mask), values, mask,
                               discount=cfg.discount, gae_lambda=cfg.gae_lambda)
     return advantages, (None if batch.values is None else returns)
 

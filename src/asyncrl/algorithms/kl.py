@@ -33,13 +33,13 @@ def _require_ref(batch: TensorBatch) -> torch.Tensor:
     return batch.ref_logprobs
 
 
-def sequence_kl(batch: TensorBatch, logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """[B]: each sequence's KL estimate summed over its loss tokens."""
+def token_kl(batch: TensorBatch, logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """[B, T]: the KL estimate of each loss token, 0 elsewhere."""
     mask = (batch.loss_mask > 0).to(logprobs.dtype)
-    return (kl_estimate(logprobs, _require_ref(batch), estimator) * mask).sum(-1)
+    return kl_estimate(logprobs, _require_ref(batch), estimator) * mask
 
 
 def mean_token_kl(batch: TensorBatch, logprobs: torch.Tensor, estimator: str) -> float:
     """The KL estimate averaged over the batch's loss tokens (0 without loss tokens)."""
     n_tokens = int((batch.loss_mask > 0).sum())
-    return float(sequence_kl(batch, logprobs, estimator).sum()) / max(n_tokens, 1)
+    return float(token_kl(batch, logprobs, estimator).sum()) / max(n_tokens, 1)

@@ -118,9 +118,10 @@ class ActorConfig:
     # Per-token estimator of KL(policy || ref) from d = logp - ref_logp: k1 = d,
     # k2 = d^2 / 2, k3 = exp(-d) - 1 + d (Schulman's unbiased, non-negative estimator).
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    # false: KL as a reward penalty, r <- r - kl_ctl * sum of kl_t over the completion,
-    # before normalisation (AReaL/verl in-reward KL). true: + kl_ctl * agg(kl_t) in the loss
-    # (GRPO, verl use_kl_loss), with gradient through the policy log-probs.
+    # false: KL as a reward penalty, -kl_ctl * kl_t on every completion token after
+    # reward_norm, so each token's return counts the KL still to come (AReaL's in-reward KL,
+    # REINFORCE++). true: + kl_ctl * agg(kl_t) in the loss (GRPO, verl use_kl_loss), with
+    # gradient through the policy log-probs.
     use_kl_loss: bool = False
     # GAE (Schulman et al. 2015): the reward discount gamma and the bias/variance trade-off
     # lambda, over the completion tokens. With a critic, advantages are GAE over its values;
