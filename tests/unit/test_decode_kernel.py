@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from asyncrl.inference.model import DecodeKernels, Transformer, apply_rope, rms_norm
+from asyncrl.inference.model import (
+    DecodeKernels,
+    PackedMatrix,
+    Transformer,
+    apply_rope,
+    linear,
+    rms_norm,
+)
 from asyncrl.models.tiny import make_tiny_model
 
 kernels = DecodeKernels.load()
@@ -114,7 +121,9 @@ def test_bf16_decode_with_kernels_matches_hf_bf16_and_the_torch_path(tmp_path, a
     model = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=64)
     plain = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=64)
     assert model.kernels is not None
-    plain.kernels = None
+    plain.kernels = None  # the torch path, on oneDNN's (or plain) matmuls
+    plain.w = plain.read_weights(path)
+    assert plain.w.pack != "asyncrl"
     cache, plain_cache = model.new_cache(3, 64), plain.new_cache(3, 64)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([11, 6, 3])
@@ -149,6 +158,7 @@ def _engine_logprob_gap(path: str, actor, use_kernels: bool) -> float:
                                                  max_seq_len=128), seed=0)
     if not use_kernels:
         engine.model.kernels = None
+        engine.model.w = engine.model.read_weights(path)
     done = []
     params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
     for i in range(4):
@@ -181,3 +191,64 @@ def test_bf16_engine_logprobs_agree_with_the_bf16_trainer_as_the_torch_path_does
     # bf16 throughout: a few hundredths apart on either path; the kernels must not add to it.
     assert with_kernels < 0.05
     assert with_kernels <= 1.5 * torch_path + 0.005
+
+
+# ---- the packed matmuls ----------------------------------------------------------------------
+
+needs_gemm = pytest.mark.skipif(kernels is None or not kernels.has_gemm,
+                                reason="the matmul kernels need AVX512-BF16")
+
+
+def bf16_matmul_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """x W^T (+ b) in float64 from the bf16 inputs: the exact sum, for ulp comparisons."""
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+@needs_gemm
+@pytest.mark.parametrize("m", [1, 5, 7, 13, 32])
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (80, 96), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gemm_is_the_float32_product_rounded_once(m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    for threads in (1, 2, 3):  # odd block counts (80 = 5 blocks) split unevenly
+        torch.set_num_threads(threads)
+        y = linear(x, PackedMatrix.pack(w), b)
+        exact = bf16_matmul_reference(x, w, b)
+        # float32 accumulation in another order than the exact sum: within half a bf16 ulp
+        # of it plus float32 noise, so at most one ulp from the exact sum rounded to bf16
+        assert ulps(y, exact.bfloat16()) <= 1
+        assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max() + (
+            exact.abs() * 2.0 ** -8).max()
+    torch.set_num_threads(2)
+
+
+@needs_gemm
+def test_packed_gemm_reads_and_writes_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 200, generator=gen).bfloat16()[:, 8:136]  # row stride 200, k = 128
+    w = (torch.randn(64, 128, generator=gen) / 12).bfloat16()
+    y = torch.full((6, 100), 7.0, dtype=torch.bfloat16)
+    packed = PackedMatrix.pack(w)  # bound: it must outlive the call
+    kernels.gemm(x.data_ptr(), 200, 6, 128, packed.data.data_ptr(), 64, None, y.data_ptr(), 100,
+                 2)
+    assert ulps(y[:, :64], bf16_matmul_reference(x, w, None).bfloat16()) <= 1
+    assert torch.equal(y[:, 64:], torch.full((6, 36), 7.0, dtype=torch.bfloat16))  # untouched
+
+
+@needs_gemm
+@pytest.mark.parametrize("m", [1, 9, 32])
+def test_packed_gate_up_gives_silu_gate_times_up(m):
+    gen = torch.Generator().manual_seed(m)
+    i, k = 96, 64
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(2 * i, k, generator=gen) / 4).bfloat16()  # gate rows, then up rows
+    b = torch.randn(2 * i, generator=gen).bfloat16()
+    packed = PackedMatrix.pack(w, silu=True)
+    out = linear(x, packed, PackedMatrix.pack_bias(b, silu=True))
+    gate, up = linear(x, PackedMatrix.pack(w), b).chunk(2, -1)  # each rounded to bf16, as torch
+    assert out.shape == (m, i)
+    assert ulps(out, F.silu(gate) * up) <= 1

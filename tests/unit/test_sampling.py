@@ -10,6 +10,7 @@ import torch
 from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.engine import LocalEngine
+from asyncrl.inference.model import DecodeKernels
 from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample, sample_from, truncate
 from asyncrl.models.tiny import make_tiny_model
 
@@ -104,6 +105,67 @@ def test_mixed_batch_keeps_each_rows_parameters():
     assert logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[1].item(), abs=1e-6)
     tempered = torch.log_softmax(logits[1] / 2, -1)[1].item()
     assert logprobs[1].item() == pytest.approx(tempered, abs=1e-6)
+
+
+# ---- the C sampler (bf16 logits on CPU, no truncation) -------------------------------------
+
+needs_kernel = pytest.mark.skipif(DecodeKernels.load() is None, reason="no C compiler")
+
+
+def _bf16_logits(b: int, v: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return (torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+@needs_kernel
+def test_kernel_sampler_draws_the_token_whose_cdf_interval_holds_u():
+    logits = _bf16_logits(64, 1000, seed=0)
+    temps = [0.0 if i % 4 == 0 else [0.5, 1.0, 1.7][i % 3] for i in range(64)]
+    sb = _batch(*[SamplingParams(temperature=t) for t in temps])
+    tokens, logprobs = sample(logits, sb, torch.Generator().manual_seed(5))
+    u = torch.rand((64, 1), generator=torch.Generator().manual_seed(5))[:, 0].double()
+    x = logits.double()
+    for i, t in enumerate(temps):
+        tok = int(tokens[i])
+        if t == 0.0:  # greedy: the argmax, log-prob at temperature 1
+            assert tok == int(x[i].argmax())
+            expected = x[i].log_softmax(-1)[tok]
+        else:
+            probs = (x[i] / t).softmax(-1)
+            cdf = probs.cumsum(-1)
+            lo = float(cdf[tok - 1]) if tok > 0 else 0.0
+            # float32 sums in another order: the interval may move by ~1e-6
+            assert lo - 1e-5 <= float(u[i]) <= float(cdf[tok]) + 1e-5
+            expected = (x[i] / t).log_softmax(-1)[tok]
+        assert abs(float(logprobs[i]) - float(expected)) < 1e-5
+
+
+@needs_kernel
+def test_kernel_sampler_frequencies_follow_the_tempered_distribution():
+    # 3 likely tokens among 600, at temperature 0.8: P = softmax([2, 1, 0, -inf...] / 0.8)
+    row = torch.full((600,), -30.0)
+    row[[7, 300, 599]] = torch.tensor([2.0, 1.0, 0.0])
+    n = 20000
+    logits = row.bfloat16().expand(n, -1)
+    tokens, logprobs = sample(logits, _batch(*[SamplingParams(temperature=0.8)] * n),
+                              torch.Generator().manual_seed(1))
+    p = torch.softmax(row.double() / 0.8, -1)
+    counts = torch.bincount(tokens, minlength=600).double()
+    for tok in (7, 300, 599):
+        expected = n * float(p[tok])
+        assert abs(float(counts[tok]) - expected) < 5 * math.sqrt(expected)  # 5 sigma
+        assert torch.allclose(logprobs[tokens == tok].double(), p[tok].log(), atol=1e-5)
+    assert counts.sum() - counts[[7, 300, 599]].sum() <= 2  # the rest has mass ~1e-16
+
+
+@needs_kernel
+def test_kernel_sampler_agrees_with_the_torch_path_on_the_same_stream():
+    logits = _bf16_logits(32, 4000, seed=2, scale=2.0)
+    sb = _batch(*[SamplingParams(temperature=1.0)] * 32)
+    fast = sample(logits, sb, torch.Generator().manual_seed(9))
+    slow = sample(logits.float(), sb, torch.Generator().manual_seed(9))  # fp32: torch path
+    assert (fast[0] == slow[0]).sum() >= 31  # a draw at a CDF boundary may round either way
+    same = fast[0] == slow[0]
+    torch.testing.assert_close(fast[1][same], slow[1][same], atol=1e-5, rtol=0)
 
 
 def test_stop_checker_sees_stop_ids_eos_and_stop_strings():

@@ -3,8 +3,10 @@
 Supported `model_type`s: llama, mistral, qwen2 (q/k/v bias), qwen3 (per-head q/k RMSNorm).
 Weights are read from the folder's *.safetensors under their HF names. They are stored
 fused (q|k|v in one matrix, gate|up in another) so a layer costs four matmuls instead of
-seven, and in bfloat16 on CPU the matrices are prepacked for oneDNN. A weight update
-builds a complete new `Weights` off the decode loop; the engine swaps it in between steps.
+seven. In bfloat16 on CPU the matrices are prepacked for our own matmul kernels
+(kernels/decode.c, with a whole decode step in one C call) or, without a C compiler, for
+oneDNN. A weight update builds a complete new `Weights` off the decode loop; the engine
+swaps it in between steps.
 
 The KV cache is preallocated: [layers, slots, kv_heads, max_seq_len, head_dim]. The engine
 keeps its active sequences in slots 0..n-1 (it moves the last one into a freed slot), so
@@ -154,12 +156,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class DecodeKernels:
-    """ctypes bindings of kernels/decode.c: the non-matmul parts of a bf16 CPU decode step."""
+    """ctypes bindings of kernels/decode.c: a whole bf16 CPU decode step, and its parts."""
 
     def __init__(self, lib):
         import ctypes
 
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        # The matmul kernels need AVX512-BF16; on other CPUs only the per-op kernels exist.
+        self.has_gemm = hasattr(lib, "decode_step_bf16")
+        if self.has_gemm:
+            self.gemm = lib.gemm_bf16
+            self.gemm.argtypes = [p, i64, i32, i32, p, i32, p, p, i64, i32]
+            self.gemm_silu = lib.gemm_silu_bf16
+            self.gemm_silu.argtypes = [p, i64, i32, i32, p, i32, p, p, i64, i32]
+            self.decode_step = lib.decode_step_bf16
+            self.decode_step.argtypes = [p, i32, p, p, i32, p, p, p, i64, p, p, p, i32, i32, i32,
+                                         i32, i32, i32, i32, f32, f32, p, p, i64, p, i32]
+            for fn in (self.gemm, self.gemm_silu, self.decode_step):
+                fn.restype = None
         self.add_rms_norm = lib.add_rms_norm_bf16
         self.add_rms_norm.argtypes = [p, p, p, p, i32, i32, f32, p]
         self.silu_mul = lib.silu_mul_bf16
@@ -167,7 +181,9 @@ class DecodeKernels:
         self.rope_attention = lib.rope_attention_bf16
         self.rope_attention.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, i32,
                                         f32, f32, p, i32]
-        for fn in (self.add_rms_norm, self.silu_mul, self.rope_attention):
+        self.sample_rows = lib.sample_rows_bf16
+        self.sample_rows.argtypes = [p, i32, i32, p, p, p, p, p, i32]
+        for fn in (self.add_rms_norm, self.silu_mul, self.rope_attention, self.sample_rows):
             fn.restype = None
 
     @classmethod
@@ -186,11 +202,67 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's kernel for a prepacked weight (same result, 1.3-1.8x faster on CPU)."""
+@dataclass
+class PackedMatrix:
+    """A bf16 weight [n, k] packed for kernels/decode.c: [n / 16, k / 2, 16, 2].
+
+    With `silu`, the rows are gate | up ([2 i, k]) with their blocks of 16 interleaved, and
+    the product is silu(gate) * up ([., i]) in one pass.
+    """
+
+    data: torch.Tensor
+    n: int
+    k: int
+    silu: bool = False
+
+    @classmethod
+    def pack(cls, w: torch.Tensor, *, silu: bool = False) -> PackedMatrix:
+        n, k = w.shape
+        if silu:  # g0..g15 u0..u15 g16..g31 u16..u31 ...
+            w = torch.stack(w.view(2, n // 32, 16, k).unbind(0), 1).reshape(n, k)
+        return cls(w.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous(), n, k, silu)
+
+    @staticmethod
+    def pack_bias(b: torch.Tensor | None, *, silu: bool = False) -> torch.Tensor | None:
+        if b is None or not silu:
+            return b
+        return torch.stack(b.view(2, -1, 16).unbind(0), 1).reshape(-1).contiguous()
+
+
+def fits_kernels(cfg: ModelConfig) -> bool:
+    """Whether every matrix of the model has the shape the packed matmul kernels take."""
+    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    rows = (q, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.vocab_size)
+    cols = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    return all(n % 16 == 0 for n in rows) and cfg.intermediate_size % 16 == 0 and all(
+        k % 2 == 0 for k in cols)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | PackedMatrix,
+           b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the kernel of a prepacked weight (ours, or oneDNN's)."""
+    if isinstance(w, PackedMatrix):
+        k = DecodeKernels.load()
+        x2 = x.reshape(-1, w.k).contiguous()
+        n = w.n // 2 if w.silu else w.n
+        y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+        fn = k.gemm_silu if w.silu else k.gemm
+        fn(x2.data_ptr(), w.k, x2.shape[0], w.k, w.data.data_ptr(), n,
+           b.data_ptr() if b is not None else None, y.data_ptr(), n, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
+
+
+def mlp(h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    """down(silu(gate(h)) * up(h)), with gate and up as one product."""
+    if isinstance(lw.w_gate_up, PackedMatrix):
+        act = linear(h, lw.w_gate_up, lw.b_gate_up)
+    else:
+        gate, up = linear(h, lw.w_gate_up, lw.b_gate_up).chunk(2, -1)
+        act = F.silu(gate) * up
+    return linear(act, lw.w_down, lw.b_down)
 
 
 @dataclass
@@ -236,27 +308,37 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class Weights:
-    """All parameters, built from an HF state dict: fused, cast, and prepacked where possible."""
+    """All parameters, built from an HF state dict: fused, cast, and prepacked where possible.
+
+    `pack`: "asyncrl" (PackedMatrix, for kernels/decode.c), "onednn", or None (plain);
+    "auto" takes oneDNN's where this torch has it.
+    """
 
     @torch.inference_mode()
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: str | torch.device = "cpu", pack: bool | None = None):
+                 device: str | torch.device = "cpu", pack: str | None = "auto"):
         device = torch.device(device)
-        pack = can_pack(dtype, device) if pack is None else pack
+        if pack == "auto":
+            pack = "onednn" if can_pack(dtype, device) else None
+        if pack not in ("asyncrl", "onednn", None):
+            raise ValueError(f"pack={pack!r}: expected 'asyncrl', 'onednn', 'auto' or None")
+        self.pack = pack
 
         def get(*names: str) -> torch.Tensor:
             return torch.cat([tensors[n] for n in names]).to(device=device, dtype=dtype)
 
-        def matrix(*names: str) -> torch.Tensor:
+        def matrix(*names: str, silu: bool = False) -> torch.Tensor | PackedMatrix:
             w = get(*names)
-            return torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w
+            if pack == "asyncrl":
+                return PackedMatrix.pack(w, silu=silu)
+            return torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack == "onednn" else w
 
-        def optional(*names: str) -> torch.Tensor | None:
-            return get(*names) if names[0] in tensors else None
+        def optional(*names: str, silu: bool = False) -> torch.Tensor | None:
+            return PackedMatrix.pack_bias(get(*names), silu=silu) if names[0] in tensors else None
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        if cfg.tie_word_embeddings and not pack:
+        if cfg.tie_word_embeddings and pack is None:
             self.lm_head = self.embed
         else:
             tied = cfg.tie_word_embeddings
@@ -269,16 +351,31 @@ class Weights:
                 mlp_norm=get(f"model.layers.{n}.post_attention_layernorm.weight"),
                 wqkv=matrix(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                 wo=matrix(a + "o_proj.weight"),
-                w_gate_up=matrix(m + "gate_proj.weight", m + "up_proj.weight"),
+                w_gate_up=matrix(m + "gate_proj.weight", m + "up_proj.weight", silu=True),
                 w_down=matrix(m + "down_proj.weight"),
                 bqkv=optional(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                 bo=optional(a + "o_proj.bias"),
-                b_gate_up=optional(m + "gate_proj.bias", m + "up_proj.bias"),
+                b_gate_up=optional(m + "gate_proj.bias", m + "up_proj.bias", silu=True),
                 b_down=optional(m + "down_proj.bias"),
                 qk_norm=torch.cat([get(a + "q_norm.weight").expand(cfg.num_heads, -1),
                                    get(a + "k_norm.weight").expand(cfg.num_kv_heads, -1)])
                 if cfg.qk_norm else None,
             ))
+        # For the one-call decode step: each layer's 12 pointers, in kernels/decode.c's order.
+        self.pointers = None
+        if pack == "asyncrl":
+            def ptr(t: torch.Tensor | PackedMatrix | None, row: int = 0) -> int:
+                if t is None:
+                    return 0
+                t = t.data if isinstance(t, PackedMatrix) else t
+                return t[row].data_ptr() if t.dim() > 1 else t.data_ptr()
+
+            h = cfg.num_heads
+            self.pointers = torch.tensor([
+                [ptr(lw.attn_norm), ptr(lw.wqkv), ptr(lw.bqkv), ptr(lw.qk_norm),
+                 ptr(lw.qk_norm, h) if lw.qk_norm is not None else 0, ptr(lw.wo), ptr(lw.bo),
+                 ptr(lw.mlp_norm), ptr(lw.w_gate_up), ptr(lw.b_gate_up), ptr(lw.w_down),
+                 ptr(lw.b_down)] for lw in self.layers], dtype=torch.int64)
 
 
 def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -375,7 +472,13 @@ class Transformer:
         decode loop and swap the result in (`self.w = ...`) at a step boundary.
         """
         tensors = read_checkpoint(path, hf_shapes(self.cfg))
-        return Weights(self.cfg, tensors, self.dtype, self.device)
+        return Weights(self.cfg, tensors, self.dtype, self.device, pack=self.pack_mode())
+
+    def pack_mode(self) -> str | None:
+        """How this model's weights are packed: for our kernels where they run, else oneDNN's."""
+        if self.kernels is not None and self.kernels.has_gemm and fits_kernels(self.cfg):
+            return "asyncrl"
+        return "onednn" if can_pack(self.dtype, self.device) else None
 
     def new_cache(self, max_batch_size: int, max_seq_len: int) -> KVCache:
         """A zeroed cache of `max_batch_size` slots of `max_seq_len` positions."""
@@ -410,9 +513,7 @@ class Transformer:
             q, k, v = self._qkv(lw, rms_norm(x, lw.attn_norm, eps), cos, sin)
             o = attend(n, q, k, v).transpose(1, 2).reshape(b, t, -1)
             x = x + linear(o, lw.wo, lw.bo)
-            h = rms_norm(x, lw.mlp_norm, eps)
-            gate, up = linear(h, lw.w_gate_up, lw.b_gate_up).chunk(2, -1)
-            x = x + linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+            x = x + mlp(rms_norm(x, lw.mlp_norm, eps), lw)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -450,6 +551,8 @@ class Transformer:
 
         `kv_len` = max(positions) + 1 bounds the attended cache slice.
         """
+        if self.kernels is not None and self.w.pointers is not None:
+            return self._decode_step(tokens, positions, cache)
         if self.kernels is not None:
             return self._decode_with_kernels(tokens, positions, cache)
         b, kv, t = tokens.shape[0], self.cfg.num_kv_heads, cache.max_seq_len
@@ -515,3 +618,25 @@ class Transformer:
             k.add_rms_norm(x.data_ptr(), mlp_out.data_ptr(), nxt.data_ptr(), normed.data_ptr(),
                            b, c.hidden_size, eps, norm_work.data_ptr())
         return linear(normed, w.lm_head)
+
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                     cache: KVCache) -> torch.Tensor:
+        """`decode` as one C call (kernels/decode.c decode_step_bf16): our packed matmuls and
+        the kernels between them in one OpenMP parallel region, 8 barriers a layer."""
+        c, w = self.cfg, self.w
+        b, h, kv, hd = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        e, i, t, v = c.hidden_size, c.intermediate_size, cache.max_seq_len, c.vocab_size
+        threads = torch.get_num_threads()
+        per_thread = max(e, 2 * (h // kv) * hd + (h // kv) * t + hd)
+        x = F.embedding(tokens, w.embed)  # [B, hidden], the residual stream (updated in place)
+        buf = torch.empty(b * (2 * e + (2 * h + 2 * kv) * hd + i), dtype=self.dtype)
+        work = torch.empty(threads * per_thread, dtype=torch.float32)
+        logits = torch.empty(b, v, dtype=self.dtype)
+        pos = positions.contiguous()
+        self.kernels.decode_step(
+            w.pointers.data_ptr(), c.num_layers, w.norm.data_ptr(), w.lm_head.data.data_ptr(), v,
+            x.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.k[0].numel(),
+            pos.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), b, e, h, kv, hd, i, t,
+            hd ** -0.5, c.rms_norm_eps, buf.data_ptr(), work.data_ptr(), per_thread,
+            logits.data_ptr(), threads)
+        return logits

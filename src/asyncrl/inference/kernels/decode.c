@@ -56,8 +56,62 @@ static inline float exp_neg(float x) {
     return p * s;
 }
 
+#ifdef __AVX512BF16__
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* out[g, :] = bf16(sum_l p[g * T + l] * v[l, :]) for G heads, with D % 32 == 0: each pair
+ * of 16-wide chunks of the G outputs is held in registers over all keys. */
+#define PV(G)                                                                                 \
+static void pv_##G(const float *p, int T, const uint16_t *v, int len, int D, uint16_t *out) { \
+    for (int j = 0; j < D; j += 32) {                                                         \
+        __m512 a[G][2];                                                                       \
+        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();                  \
+        for (int l = 0; l < len; l++) {                                                       \
+            const uint16_t *vr = v + (int64_t)l * D + j;                                      \
+            const __m512 v0 = bf16x16_to_f32(_mm256_loadu_si256((const void *)vr));           \
+            const __m512 v1 = bf16x16_to_f32(_mm256_loadu_si256((const void *)(vr + 16)));    \
+            for (int g = 0; g < G; g++) {                                                     \
+                const __m512 w = _mm512_set1_ps(p[g * T + l]);                                \
+                a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);                                    \
+                a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);                                    \
+            }                                                                                 \
+        }                                                                                     \
+        for (int g = 0; g < G; g++) {                                                         \
+            _mm256_storeu_si256((void *)(out + g * D + j), (__m256i)_mm512_cvtneps_pbh(a[g][0])); \
+            _mm256_storeu_si256((void *)(out + g * D + j + 16),                               \
+                                (__m256i)_mm512_cvtneps_pbh(a[g][1]));                        \
+        }                                                                                     \
+    }                                                                                         \
+}
+PV(1) PV(2) PV(3) PV(4) PV(5) PV(6) PV(7) PV(8)
+typedef void (*pv_fn)(const float *, int, const uint16_t *, int, int, uint16_t *);
+static const pv_fn PVS[9] = {0, pv_1, pv_2, pv_3, pv_4, pv_5, pv_6, pv_7, pv_8};
+
+/* r[j] = the sum of v[j]'s 16 lanes, j = 0..15: a transpose-and-add tree (15 adds and 30
+ * shuffles for 16 sums, against ~8 dependent steps for each sum alone). */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: partial sums of 4 vectors */
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)  /* add 128-bit lanes pairwise */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+#endif
+
 /* s[g * T + l] = scale * <q_g, k_l> for the G query heads q (rows of D) and keys 0..len-1.
- * qf: G * D floats of scratch. With AVX512-BF16 the products run on bf16 pairs directly. */
+ * qf: G * D floats of scratch. With AVX512-BF16 the products run on bf16 pairs directly,
+ * 16 keys at a time. */
 static void scores(const uint16_t *q, const uint16_t *k, int len, int G, int D, int T,
                    float scale, float *qf, float *s) {
 #ifdef __AVX512BF16__
@@ -68,7 +122,22 @@ static void scores(const uint16_t *q, const uint16_t *k, int len, int G, int D, 
             for (int g = 0; g < G; g++)
                 for (int j = 0; j < nv; j++)
                     qv[g * nv + j] = (__m512bh)_mm512_loadu_si512(q + g * D + j * 32);
-            for (int l = 0; l < len; l++) {
+            int l = 0;
+            for (; l + 16 <= len; l += 16)
+                for (int g = 0; g < G; g++) {
+                    __m512 acc[16];
+                    for (int i = 0; i < 16; i++) {
+                        const uint16_t *kr = k + (int64_t)(l + i) * D;
+                        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g * nv],
+                                                    (__m512bh)_mm512_loadu_si512(kr));
+                        for (int j = 1; j < nv; j++)
+                            a = _mm512_dpbf16_ps(a, qv[g * nv + j],
+                                                 (__m512bh)_mm512_loadu_si512(kr + j * 32));
+                        acc[i] = a;
+                    }
+                    _mm512_storeu_ps(s + g * T + l, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+                }
+            for (; l < len; l++) {
                 const uint16_t *kr = k + (int64_t)l * D;
                 __m512bh kv[8];
                 for (int j = 0; j < nv; j++) kv[j] = (__m512bh)_mm512_loadu_si512(kr + j * 32);
@@ -159,6 +228,89 @@ static void norm_rope(uint16_t *h, const uint16_t *qkn, const uint16_t *cos,
     }
 }
 
+/* Attention of one (sequence b, KV head kh) item of a decode step; see rope_attention_bf16.
+ * work: 2 G D + G T + D floats of this thread's own. */
+static void attention_item(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn,
+                           const uint16_t *kn, const uint16_t *cos, const uint16_t *sin,
+                           uint16_t *kc, uint16_t *vc, const int64_t *pos, uint16_t *out,
+                           int b, int kh, int H, int KV, int D, int T, float scale, float eps,
+                           float *work) {
+    const int G = H / KV;
+    float *qf = work;           /* [G, D] */
+    float *acc = qf + G * D;    /* [G, D] */
+    float *s = acc + G * D;     /* [G, T] */
+    float *tmp = s + G * T;     /* [D] */
+    const int64_t p = pos[b];
+    const int len = (int)p + 1;
+    const uint16_t *c = cos + p * D, *sn = sin + p * D;
+    uint16_t *row = qkv + b * qkv_stride;
+    uint16_t *q = row + (int64_t)kh * G * D;
+    uint16_t *k = row + (int64_t)(H + kh) * D;
+    const uint16_t *v = row + (int64_t)(H + KV + kh) * D;
+    for (int g = 0; g < G; g++) norm_rope(q + g * D, qn, c, sn, D, eps, tmp);
+    norm_rope(k, kn, c, sn, D, eps, tmp);
+    uint16_t *kbase = kc + ((int64_t)b * KV + kh) * T * D;
+    uint16_t *vbase = vc + ((int64_t)b * KV + kh) * T * D;
+    memcpy(kbase + p * D, k, D * sizeof(uint16_t));
+    memcpy(vbase + p * D, v, D * sizeof(uint16_t));
+    scores(q, kbase, len, G, D, T, scale, qf, s);
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * T;
+        float m = sg[0];
+        for (int l = 1; l < len; l++) m = sg[l] > m ? sg[l] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int l = 0; l < len; l++) {
+            float e = exp_neg(sg[l] - m);
+            sg[l] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int l = 0; l < len; l++) sg[l] *= inv;
+        memset(acc + g * D, 0, D * sizeof(float));
+    }
+    uint16_t *o = out + ((int64_t)b * H + kh * G) * D;
+#ifdef __AVX512BF16__
+    if (D % 32 == 0 && G <= 8) {
+        PVS[G](s, T, vbase, len, D, o);
+        return;
+    }
+#endif
+    for (int l = 0; l < len; l++) {
+        const uint16_t *vr = vbase + (int64_t)l * D;
+#pragma omp simd
+        for (int d = 0; d < D; d++) tmp[d] = bf16_to_f32(vr[d]);
+        for (int g = 0; g < G; g++) {
+            const float w = s[g * T + l];
+            float *a = acc + g * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) a[d] += w * tmp[d];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+#pragma omp simd
+        for (int d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + d]);
+    }
+}
+
+/* The share [*lo, *hi) of n items of thread tid out of nt (contiguous, sizes differ by <= 1). */
+static inline void share(int n, int tid, int nt, int *lo, int *hi) {
+    *lo = (int)((int64_t)n * tid / nt);
+    *hi = (int)((int64_t)n * (tid + 1) / nt);
+}
+
+/* Items lo..hi-1 (item = b * KV + kh) of a decode step's attention, in order. */
+static void attention_items(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn,
+                            const uint16_t *kn, const uint16_t *cos, const uint16_t *sin,
+                            uint16_t *kc, uint16_t *vc, const int64_t *pos, uint16_t *out,
+                            int lo, int hi, int H, int KV, int D, int T, float scale, float eps,
+                            float *work) {
+    for (int item = lo; item < hi; item++)
+        attention_item(qkv, qkv_stride, qn, kn, cos, sin, kc, vc, pos, out, item / KV,
+                       item % KV, H, KV, D, T, scale, eps, work);
+}
+
 /* One decode step of attention for B sequences in cache slots 0..B-1.
  * qkv [B, (H + 2 KV) * D] (row stride qkv_stride): the projections, rotated here in place;
  * qn, kn: per-head RMSNorm weights [D] or NULL; cos, sin: rotary tables [T, D];
@@ -170,60 +322,272 @@ void rope_attention_bf16(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn,
                          uint16_t *kc, uint16_t *vc, const int64_t *pos, uint16_t *out,
                          int B, int H, int KV, int D, int T, float scale, float eps,
                          float *work, int nthreads) {
-    const int G = H / KV;
-    const int64_t per_thread = 2 * (int64_t)G * D + (int64_t)G * T + D;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int item = 0; item < B * KV; item++) {
-        const int b = item / KV, kh = item % KV;
-        float *qf = work + per_thread * omp_get_thread_num();  /* [G, D] */
-        float *acc = qf + G * D;                                /* [G, D] */
-        float *s = acc + G * D;                                 /* [G, T] */
-        float *tmp = s + G * T;                                 /* [D] */
-        const int64_t p = pos[b];
-        const int len = (int)p + 1;
-        const uint16_t *c = cos + p * D, *sn = sin + p * D;
-        uint16_t *row = qkv + b * qkv_stride;
-        uint16_t *q = row + (int64_t)kh * G * D;
-        uint16_t *k = row + (int64_t)(H + kh) * D;
-        const uint16_t *v = row + (int64_t)(H + KV + kh) * D;
-        for (int g = 0; g < G; g++) norm_rope(q + g * D, qn, c, sn, D, eps, tmp);
-        norm_rope(k, kn, c, sn, D, eps, tmp);
-        uint16_t *kbase = kc + ((int64_t)b * KV + kh) * T * D;
-        uint16_t *vbase = vc + ((int64_t)b * KV + kh) * T * D;
-        memcpy(kbase + p * D, k, D * sizeof(uint16_t));
-        memcpy(vbase + p * D, v, D * sizeof(uint16_t));
-        scores(q, kbase, len, G, D, T, scale, qf, s);
-        for (int g = 0; g < G; g++) {
-            float *sg = s + g * T;
-            float m = sg[0];
-            for (int l = 1; l < len; l++) m = sg[l] > m ? sg[l] : m;
-            float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-            for (int l = 0; l < len; l++) {
-                float e = exp_neg(sg[l] - m);
-                sg[l] = e;
-                sum += e;
+    const int64_t per_thread = 2 * (int64_t)(H / KV) * D + (int64_t)(H / KV) * T + D;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int lo, hi;
+        share(B * KV, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        attention_items(qkv, qkv_stride, qn, kn, cos, sin, kc, vc, pos, out, lo, hi, H, KV, D,
+                        T, scale, eps, work + per_thread * omp_get_thread_num());
+    }
+}
+
+/* ---- Sampling --------------------------------------------------------------------------- */
+
+/* One token per row of logits [B, V] (bf16) and its log-prob log_softmax(logits / t)[token],
+ * t = temperature[b]; t <= 0 means greedy: the first argmax, with its log-prob at t = 1.
+ * Sampled rows invert the CDF of exp(x - max) at u[b] * sum (u[b] in [0, 1), drawn by the
+ * caller), in blocks of 256: one pass for the max, one for the block sums, then one block.
+ * Rows are split over the threads.
+ * work: nthreads * (V + V / 256 + 1) floats. */
+void sample_rows_bf16(const uint16_t *logits, int B, int V, const float *temperature,
+                      const float *u, int64_t *token, float *logprob, float *work, int nthreads) {
+    const int nb = (V + 255) / 256;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int lo, hi;
+        share(B, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        float *x = work + (int64_t)(V + nb) * omp_get_thread_num(), *bsum = x + V;
+        for (int b = lo; b < hi; b++) {
+            const uint16_t *lr = logits + (int64_t)b * V;
+            const int greedy = !(temperature[b] > 0.0f);
+            const float t = greedy ? 1.0f : temperature[b];
+            float m = -INFINITY;
+#pragma omp simd reduction(max:m)
+            for (int i = 0; i < V; i++) {
+                x[i] = bf16_to_f32(lr[i]) / t;  /* divided, as the trainer does */
+                m = x[i] > m ? x[i] : m;
             }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int l = 0; l < len; l++) sg[l] *= inv;
-            memset(acc + g * D, 0, D * sizeof(float));
-        }
-        for (int l = 0; l < len; l++) {
-            const uint16_t *vr = vbase + (int64_t)l * D;
-#pragma omp simd
-            for (int d = 0; d < D; d++) tmp[d] = bf16_to_f32(vr[d]);
-            for (int g = 0; g < G; g++) {
-                const float w = s[g * T + l];
-                float *a = acc + g * D;
-#pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += w * tmp[d];
+            float total = 0.0f;
+            for (int k = 0; k < nb; k++) {
+                const int end = (k + 1) * 256 < V ? (k + 1) * 256 : V;
+                float sk = 0.0f;
+#pragma omp simd reduction(+:sk)
+                for (int i = k * 256; i < end; i++) sk += exp_neg(x[i] - m);
+                bsum[k] = sk;
+                total += sk;
             }
-        }
-        for (int g = 0; g < G; g++) {
-            uint16_t *o = out + ((int64_t)b * H + kh * G + g) * D;
-#pragma omp simd
-            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[g * D + d]);
+            int tok = -1;
+            if (greedy) {
+                for (int i = 0; i < V && tok < 0; i++) tok = x[i] == m ? i : -1;
+            } else {
+                const float target = u[b] * total;
+                float c = 0.0f;
+                int k = 0;
+                while (k < nb - 1 && c + bsum[k] <= target) c += bsum[k++];
+                const int end = (k + 1) * 256 < V ? (k + 1) * 256 : V;
+                for (int i = k * 256; i < end && tok < 0; i++) {
+                    c += exp_neg(x[i] - m);  /* > 0: exp_neg never underflows to 0 */
+                    if (c > target) tok = i;
+                }
+                if (tok < 0) tok = end - 1;  /* rounding left c <= target at the block's end */
+            }
+            token[b] = tok;
+            logprob[b] = (x[tok] - m) - logf(total);
         }
     }
 }
+
+/* ---- Matrix products on prepacked bf16 weights --------------------------------------------
+ *
+ * A weight W [N, K] (out x in, N % 16 == 0, K even) is packed as P [N / 16][K / 2][16][2]:
+ * for each block of 16 output columns, K/2 rows of 16 bf16 pairs, which is exactly the
+ * operand of one AVX512-BF16 dot product (16 columns x 2 k). y = x W^T runs as tiles of MR
+ * rows x NZ blocks: per pair of k, NZ weight loads feed MR x NZ dot products against the
+ * broadcast pair x[r, 2kp:2kp+2]; accumulation in float32, one bf16 rounding at the end, as
+ * oneDNN does (only the order of the float32 sums differs). Each thread takes a contiguous
+ * range of column blocks, so at batch 1 the two threads each stream half of every weight
+ * once, and at larger batches a weight tile (K x 64 bf16, <= 200 KB) is read from memory
+ * once and reused from L2 for every group of rows.
+ */
+#ifdef __AVX512BF16__
+#define HAVE_GEMM 1
+#define MR_MAX 6
+
+enum { EPI_STORE = 0, EPI_SILU = 1 };
+
+/* acc -> bf16 y rows: plain (+ bias), or silu(gate) * up with gate/up in blocks z, z + 1. */
+#define TILE(MR, NZ)                                                                          \
+static void tile_##MR##_##NZ(const uint16_t *x, int64_t ldx, const uint16_t *p, int K,        \
+                             uint16_t *y, int64_t ldy, const uint16_t *bias, int epi,         \
+                             const char *pf, int pfn) {                                       \
+    __m512 acc[MR][NZ];                                                                       \
+    for (int r = 0; r < MR; r++)                                                              \
+        for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_setzero_ps();                         \
+    const int64_t bs = (int64_t)K * 16;                                                       \
+    for (int kp = 0; kp < K / 2; kp++) {                                                      \
+        __m512bh w[NZ];                                                                       \
+        for (int z = 0; z < NZ; z++)                                                          \
+            w[z] = (__m512bh)_mm512_loadu_si512(p + z * bs + (int64_t)kp * 32);               \
+        for (int j = 0; j < pfn; j++)                                                         \
+            _mm_prefetch(pf + ((int64_t)kp * pfn + j) * 64, _MM_HINT_T1);                     \
+        for (int r = 0; r < MR; r++) {                                                        \
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(                                   \
+                *(const int32_t *)(x + r * ldx + 2 * kp));                                    \
+            for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], a, w[z]);    \
+        }                                                                                     \
+    }                                                                                         \
+    store_tile(&acc[0][0], MR, NZ, NZ, y, ldy, bias, epi);                                    \
+}
+
+static inline __m512 round_bf16_x16(__m512 v) { return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
+
+static inline void store_tile(const __m512 *acc, int mr, int nz, int stride, uint16_t *y,
+                              int64_t ldy, const uint16_t *bias, int epi) {
+    for (int z = 0; z < nz; z++) {
+        const __m512 b = bias ? bf16x16_to_f32(_mm256_loadu_si256((const void *)(bias + z * 16)))
+                              : _mm512_setzero_ps();
+        if (epi == EPI_STORE) {
+            for (int r = 0; r < mr; r++)
+                _mm256_storeu_si256((void *)(y + r * ldy + z * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r * stride + z], b)));
+        } else {  /* z even: gate, z + 1: up; output block z / 2 */
+            const __m512 bu = bias ? bf16x16_to_f32(_mm256_loadu_si256((const void *)(bias + z * 16 + 16)))
+                                   : _mm512_setzero_ps();
+            for (int r = 0; r < mr; r++) {
+                float g[16], u[16];
+                _mm512_storeu_ps(g, round_bf16_x16(_mm512_add_ps(acc[r * stride + z], b)));
+                _mm512_storeu_ps(u, round_bf16_x16(_mm512_add_ps(acc[r * stride + z + 1], bu)));
+                uint16_t *o = y + r * ldy + (z / 2) * 16;
+#pragma omp simd
+                for (int i = 0; i < 16; i++) {
+                    const float e = exp_neg(g[i] >= 0.0f ? -g[i] : g[i]);
+                    const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                    o[i] = f32_to_bf16(round_bf16(g[i] * sig) * u[i]);
+                }
+            }
+            z++;
+        }
+    }
+}
+
+TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(5, 4) TILE(6, 4)
+TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2) TILE(5, 2) TILE(6, 2)
+
+typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int, uint16_t *, int64_t,
+                        const uint16_t *, int, const char *, int);
+static const tile_fn TILES4[MR_MAX + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4,
+                                           tile_6_4};
+static const tile_fn TILES2[MR_MAX + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2,
+                                           tile_6_2};
+
+/* This thread's share of y [M, N or N/2] = epi(x [M, K] W^T + bias), W packed, in pairs of
+ * column blocks (N % 32 == 0 for EPI_SILU; a lone last block runs as a pair's first half).
+ * Rows go in groups of at most MR_MAX, as equal as possible. While a tile's row groups run,
+ * they prefetch the next tile's weights into L2, a share each, so that the first group of
+ * the next tile does not wait on memory. */
+static void gemm_part(const uint16_t *x, int64_t ldx, int M, int K, const uint16_t *p, int N,
+                      const uint16_t *bias, uint16_t *y, int64_t ldy, int epi, int tid, int nt) {
+    const int pairs = (N / 16 + 1) / 2, groups = (M + MR_MAX - 1) / MR_MAX;
+    int lo, hi;
+    share(pairs, tid, nt, &lo, &hi);
+    const int out_block = epi == EPI_SILU ? 1 : 2;  /* output blocks per pair */
+    for (int c = lo; c < hi;) {
+        const int nblk = (c + 1 < hi && 2 * c + 4 <= N / 16) ? 4 : 2;
+        const int64_t col = (int64_t)c * 32;
+        const int next = c + nblk / 2 < hi ? (2 * (c + nblk / 2) + 4 <= N / 16 ? 4 : 2) : 0;
+        /* lines per k pair and group; at one group (batch <= 6) the loads stream by themselves */
+        const int pfn = groups > 1 ? (next + groups - 1) / groups : 0;
+        const char *pf = (const char *)(p + (col + nblk * 16) * K);
+        for (int g = 0, m = 0; g < groups; g++) {
+            const int mr = (M - m) / (groups - g);
+            if (nblk == 4 || 2 * c + 2 <= N / 16) {
+                (nblk == 4 ? TILES4 : TILES2)[mr](x + m * ldx, ldx, p + col * K, K,
+                                                  y + m * ldy + (int64_t)c * 16 * out_block, ldy,
+                                                  bias ? bias + col : NULL, epi,
+                                                  pf + (int64_t)g * pfn * 32 * K, pfn);
+            } else {  /* one last block of 16 columns */
+                for (int r = 0; r < mr; r++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    const uint16_t *xr = x + (m + r) * ldx;
+                    for (int kp = 0; kp < K / 2; kp++)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(*(const int32_t *)(xr + 2 * kp)),
+                                               (__m512bh)_mm512_loadu_si512(p + col * K + (int64_t)kp * 32));
+                    store_tile(&acc, 1, 1, 1, y + (m + r) * ldy + col, ldy, bias ? bias + col : NULL, EPI_STORE);
+                }
+            }
+            m += mr;
+        }
+        c += nblk / 2;
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for a packed W; rows of x and y at strides ldx, ldy. */
+void gemm_bf16(const uint16_t *x, int64_t ldx, int M, int K, const uint16_t *p, int N,
+               const uint16_t *bias, uint16_t *y, int64_t ldy, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemm_part(x, ldx, M, K, p, N, bias, y, ldy, EPI_STORE, omp_get_thread_num(),
+              omp_get_num_threads());
+}
+
+/* out [M, I] = round(silu(gate)) * up for gate | up = x W^T (+ bias), W [2 I, K] packed with
+ * gate and up blocks of 16 interleaved (g0 u0 g1 u1 ...), I % 16 == 0. */
+void gemm_silu_bf16(const uint16_t *x, int64_t ldx, int M, int K, const uint16_t *p, int I,
+                    const uint16_t *bias, uint16_t *out, int64_t ldo, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemm_part(x, ldx, M, K, p, 2 * I, bias, out, ldo, EPI_SILU, omp_get_thread_num(),
+              omp_get_num_threads());
+}
+
+/* ---- A whole decode step in one parallel region ---------------------------------------- */
+
+typedef struct {  /* one layer's weights; the Python side passes 12 pointers per layer */
+    const uint16_t *attn_norm, *wqkv, *bqkv, *qn, *kn, *wo, *bo, *mlp_norm, *wgu, *bgu,
+        *wdown, *bdown;
+} layer_t;
+
+/* Rows [lo, hi) of x [., E] += d (if d), then normed = RMSNorm(x) * w. */
+static void add_norm_rows(uint16_t *x, const uint16_t *d, const uint16_t *w, uint16_t *normed,
+                          int lo, int hi, int E, float eps, float *work) {
+    if (hi > lo)
+        add_rms_norm_bf16(x + (int64_t)lo * E, d ? d + (int64_t)lo * E : NULL, w,
+                          normed + (int64_t)lo * E, hi - lo, E, eps, work);
+}
+
+/* Logits [B, V] for tokens whose embeddings are x [B, E] (updated in place as the residual
+ * stream), at positions pos [B] of cache slots 0..B-1 (kc, vc: layer 0's [S, KV, T, D],
+ * layer n at + n * layer_stride). The same maths and roundings as the per-op path; every
+ * phase splits its work over the team, with a barrier between phases.
+ * buf: B * (E + (H + 2 KV) D + H D + E + I) bf16; work: nthreads * work_per_thread floats,
+ * work_per_thread >= max(E, 2 G D + G T + D). */
+void decode_step_bf16(const layer_t *layers, int L, const uint16_t *final_norm,
+                      const uint16_t *lm_head, int V, uint16_t *x, uint16_t *kc, uint16_t *vc,
+                      int64_t layer_stride, const int64_t *pos, const uint16_t *cos,
+                      const uint16_t *sin, int B, int E, int H, int KV, int D, int I, int T,
+                      float scale, float eps, uint16_t *buf, float *work,
+                      int64_t work_per_thread, uint16_t *logits, int nthreads) {
+    const int Q = (H + 2 * KV) * D;
+    uint16_t *normed = buf, *qkv = normed + (int64_t)B * E, *o = qkv + (int64_t)B * Q;
+    uint16_t *proj = o + (int64_t)B * H * D, *act = proj + (int64_t)B * E;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *w = work + work_per_thread * tid;
+        int rlo, rhi, ilo, ihi;
+        share(B, tid, nt, &rlo, &rhi);
+        share(B * KV, tid, nt, &ilo, &ihi);
+        add_norm_rows(x, NULL, layers[0].attn_norm, normed, rlo, rhi, E, eps, w);
+#pragma omp barrier
+        for (int n = 0; n < L; n++) {
+            const layer_t *l = layers + n;
+            gemm_part(normed, E, B, E, l->wqkv, Q, l->bqkv, qkv, Q, EPI_STORE, tid, nt);
+#pragma omp barrier
+            attention_items(qkv, Q, l->qn, l->kn, cos, sin, kc + n * layer_stride,
+                            vc + n * layer_stride, pos, o, ilo, ihi, H, KV, D, T, scale, eps, w);
+#pragma omp barrier
+            gemm_part(o, H * D, B, H * D, l->wo, E, l->bo, proj, E, EPI_STORE, tid, nt);
+#pragma omp barrier
+            add_norm_rows(x, proj, l->mlp_norm, normed, rlo, rhi, E, eps, w);
+#pragma omp barrier
+            gemm_part(normed, E, B, E, l->wgu, 2 * I, l->bgu, act, I, EPI_SILU, tid, nt);
+#pragma omp barrier
+            gemm_part(act, I, B, I, l->wdown, E, l->bdown, proj, E, EPI_STORE, tid, nt);
+#pragma omp barrier
+            add_norm_rows(x, proj, n + 1 < L ? layers[n + 1].attn_norm : final_norm, normed,
+                          rlo, rhi, E, eps, w);
+#pragma omp barrier
+        }
+        gemm_part(normed, E, B, E, lm_head, V, NULL, logits, V, EPI_STORE, tid, nt);
+    }
+}
+#endif
