@@ -252,3 +252,34 @@ def test_packed_gate_up_gives_silu_gate_times_up(m):
     gate, up = linear(x, PackedMatrix.pack(w), b).chunk(2, -1)  # each rounded to bf16, as torch
     assert out.shape == (m, i)
     assert ulps(out, F.silu(gate) * up) <= 1
+
+
+@needs_gemm
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefill_rows_in_one_call_match_the_torch_path_and_fill_the_same_cache(tmp_path, arch):
+    path = make_tiny_model(tmp_path / "m", arch=arch, num_heads=4, num_kv_heads=2,
+                           hidden_size=128, head_dim=32)
+    model = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=64)
+    plain = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=64)
+    plain.kernels = None
+    plain.w = plain.read_weights(path)
+    assert model.w.pack == "asyncrl"
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([13, 4, 9])
+    tokens = torch.randint(3, 300, (3, 13), generator=gen)
+    cache, plain_cache = model.new_cache(5, 64), plain.new_cache(5, 64)
+    last = model.prefill(tokens, lengths, cache, slot_start=2).float()  # slots 2, 3, 4
+    expected = plain.prefill(tokens, lengths, plain_cache, slot_start=2).float()
+    torch.testing.assert_close(last, expected, atol=0.125, rtol=0)  # as decode: 4 bf16 ulps
+    full = model.prefill(tokens, lengths, model.new_cache(5, 64), 2, all_logits=True).float()
+    torch.testing.assert_close(full[torch.arange(3), lengths - 1], last, atol=0, rtol=0)
+    for i, n in enumerate(lengths.tolist()):
+        # keys and values of every prompt position in its own slot; nothing elsewhere
+        for ours, theirs in ((cache.k, plain_cache.k), (cache.v, plain_cache.v)):
+            # layer 0 comes straight from the embeddings: one matmul rounding apart at most
+            assert ulps(ours[0, 2 + i, :, :n], theirs[0, 2 + i, :, :n]) <= 1
+            # layer 1's inputs went through layer 0 on both sides: 4 ulps of values up to 4
+            torch.testing.assert_close(ours[:, 2 + i, :, :n].float(),
+                                       theirs[:, 2 + i, :, :n].float(), atol=0.0625, rtol=0)
+            assert not ours[:, 2 + i, :, n:].any()
+    assert not cache.k[:, :2].any() and not cache.v[:, :2].any()

@@ -119,6 +119,8 @@ def test_bfloat16_prefill_matches_hf_bfloat16(tmp_path):
     with torch.no_grad():
         ref = hf(tokens).logits[0].float()
     model = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=32)
+    model.kernels = None  # the torch path
+    model.w = model.read_weights(path)
     cache = model.new_cache(1, 32)
     ours = model.prefill(tokens, torch.tensor([16]), cache, 0, all_logits=True)[0].float()
     # Same kernels and op order as HF's bf16 forward: equal up to one bf16 rounding of
@@ -133,6 +135,7 @@ def test_prepacked_weights_give_the_same_logits_as_plain(tmp_path):
     model = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=32)
     tokens = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     lengths = torch.tensor([9, 5])
+    valid = torch.arange(9)[None, :] < lengths[:, None]
     tensors = read_checkpoint(path, hf_shapes(model.cfg))
     packs = ["onednn", None] + (["asyncrl"] if model.pack_mode() == "asyncrl" else [])
     out = []
@@ -142,9 +145,11 @@ def test_prepacked_weights_give_the_same_logits_as_plain(tmp_path):
         assert isinstance(wqkv, PackedMatrix) == (pack == "asyncrl")
         assert pack == "asyncrl" or wqkv.is_mkldnn == (pack == "onednn")
         logits = model.prefill(tokens, lengths, model.new_cache(2, 32), 0, all_logits=True)
-        out.append(logits.float())
-    for other in out[1:]:
-        torch.testing.assert_close(other, out[0], atol=0.04, rtol=0)
+        out.append(logits.float()[valid])  # padded positions are unspecified
+    torch.testing.assert_close(out[1], out[0], atol=0.04, rtol=0)  # oneDNN vs plain torch
+    for other in out[2:]:
+        # our kernels: float32 attention and another summation order, as in decode
+        torch.testing.assert_close(other, out[0], atol=0.125, rtol=0)
 
 
 # ---- continuous batching ----------------------------------------------------------------------

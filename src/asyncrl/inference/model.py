@@ -165,16 +165,17 @@ class DecodeKernels:
 
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         # The matmul kernels need AVX512-BF16; on other CPUs only the per-op kernels exist.
-        self.has_gemm = hasattr(lib, "decode_step_bf16")
+        self.has_gemm = hasattr(lib, "forward_rows_bf16")
         if self.has_gemm:
             self.gemm = lib.gemm_bf16
             self.gemm.argtypes = [p, i64, i32, i32, p, i32, p, p, i64, i32]
             self.gemm_silu = lib.gemm_silu_bf16
             self.gemm_silu.argtypes = [p, i64, i32, i32, p, i32, p, p, i64, i32]
-            self.decode_step = lib.decode_step_bf16
-            self.decode_step.argtypes = [p, i32, p, p, i32, p, p, p, i64, p, p, p, i32, i32, i32,
-                                         i32, i32, i32, i32, f32, f32, p, p, i64, p, i32]
-            for fn in (self.gemm, self.gemm_silu, self.decode_step):
+            self.forward_rows = lib.forward_rows_bf16
+            self.forward_rows.argtypes = [p, i32, p, p, i32, p, p, p, i64, p, p, i32, p, i32, p,
+                                          p, i32, i32, i32, i32, i32, i32, f32, f32, p, p, i64,
+                                          p, i32]
+            for fn in (self.gemm, self.gemm_silu, self.forward_rows):
                 fn.restype = None
         self.add_rms_norm = lib.add_rms_norm_bf16
         self.add_rms_norm.argtypes = [p, p, p, p, i32, i32, f32, p]
@@ -509,6 +510,7 @@ class Transformer:
         # bf16 on CPU: the steps between matmuls of a decode step run as C kernels.
         use_kernels = self.device.type == "cpu" and dtype == torch.bfloat16
         self.kernels = DecodeKernels.load() if use_kernels else None
+        self._buffers: dict[str, torch.Tensor] = {}  # scratch of the C forward, reused
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.bfloat16,
@@ -584,6 +586,17 @@ class Transformer:
         With `all_logits`, logits at every position [B, T, V] (for tests and scoring).
         """
         b, t = tokens.shape
+        if self.kernels is not None and self.w.pointers is not None:
+            valid = torch.arange(t)[None, :] < lengths[:, None]  # [B, T]
+            rows_b, rows_t = valid.nonzero(as_tuple=True)  # prompt by prompt, in order
+            ends = lengths.cumsum(0) - 1  # each prompt's last row
+            logits = self._forward_rows(tokens[rows_b, rows_t], rows_b + slot_start, rows_t,
+                                        cache, None if all_logits else ends)
+            if not all_logits:
+                return logits
+            full = logits.new_zeros(b, t, logits.shape[-1])  # padded positions: 0
+            full[rows_b, rows_t] = logits
+            return full
         pos = torch.arange(t, device=self.device)
         # Causal, and no query may look at a padding key; padded queries still see key 0,
         # so no row is fully masked (which would give NaN).
@@ -609,7 +622,7 @@ class Transformer:
         `kv_len` = max(positions) + 1 bounds the attended cache slice.
         """
         if self.kernels is not None and self.w.pointers is not None:
-            return self._decode_step(tokens, positions, cache)
+            return self._forward_rows(tokens, None, positions, cache, None)
         if self.kernels is not None:
             return self._decode_with_kernels(tokens, positions, cache)
         b, kv, t = tokens.shape[0], self.cfg.num_kv_heads, cache.max_seq_len
@@ -676,24 +689,39 @@ class Transformer:
                            b, c.hidden_size, eps, norm_work.data_ptr())
         return linear(normed, w.lm_head)
 
-    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor:
-        """`decode` as one C call (kernels/decode.c decode_step_bf16): our packed matmuls and
-        the kernels between them in one OpenMP parallel region, 8 barriers a layer."""
+    def _forward_rows(self, tokens: torch.Tensor, slots: torch.Tensor | None,
+                      positions: torch.Tensor, cache: KVCache,
+                      out_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits [n, V] of rows `out_rows` (all if None) of the token rows `tokens` [R] at
+        cache slots `slots` (0..R-1 if None) and `positions`, as one C call
+        (kernels/decode.c forward_rows_bf16): our packed matmuls and the kernels between
+        them in one OpenMP parallel region. A prompt's rows attend each other causally."""
         c, w = self.cfg, self.w
-        b, h, kv, hd = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        r, h, kv, hd = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         e, i, t, v = c.hidden_size, c.intermediate_size, cache.max_seq_len, c.vocab_size
+        n_out = r if out_rows is None else out_rows.shape[0]
         threads = torch.get_num_threads()
         per_thread = max(e, 2 * (h // kv) * hd + (h // kv) * t + hd)
-        x = F.embedding(tokens, w.embed)  # [B, hidden], the residual stream (updated in place)
-        buf = torch.empty(b * (2 * e + (2 * h + 2 * kv) * hd + i), dtype=self.dtype)
-        work = torch.empty(threads * per_thread, dtype=torch.float32)
-        logits = torch.empty(b, v, dtype=self.dtype)
-        pos = positions.contiguous()
-        self.kernels.decode_step(
+        x = F.embedding(tokens, w.embed)  # [R, hidden], the residual stream (updated in place)
+        buf = self._scratch("buf", r * (2 * e + (2 * h + 2 * kv) * hd + i) + n_out * e,
+                            self.dtype)
+        work = self._scratch("work", threads * per_thread, torch.float32)
+        logits = torch.empty(n_out, v, dtype=self.dtype)
+        pos = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous() if slots is not None else None
+        rows = out_rows.to(torch.int64).contiguous() if out_rows is not None else None
+        self.kernels.forward_rows(
             w.pointers.data_ptr(), c.num_layers, w.norm.data_ptr(), w.lm_head.data.data_ptr(), v,
             x.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.k[0].numel(),
-            pos.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), b, e, h, kv, hd, i, t,
-            hd ** -0.5, c.rms_norm_eps, buf.data_ptr(), work.data_ptr(), per_thread,
-            logits.data_ptr(), threads)
+            slots.data_ptr() if slots is not None else None, pos.data_ptr(), r,
+            rows.data_ptr() if rows is not None else None, n_out, self.cos.data_ptr(),
+            self.sin.data_ptr(), e, h, kv, hd, i, t, hd ** -0.5, c.rms_norm_eps, buf.data_ptr(),
+            work.data_ptr(), per_thread, logits.data_ptr(), threads)
         return logits
+
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused buffer of at least `numel` elements (grown on demand, never shrunk)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]

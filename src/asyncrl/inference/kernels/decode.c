@@ -228,31 +228,38 @@ static void norm_rope(uint16_t *h, const uint16_t *qkn, const uint16_t *cos,
     }
 }
 
-/* Attention of one (sequence b, KV head kh) item of a decode step; see rope_attention_bf16.
- * work: 2 G D + G T + D floats of this thread's own. */
-static void attention_item(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn,
-                           const uint16_t *kn, const uint16_t *cos, const uint16_t *sin,
-                           uint16_t *kc, uint16_t *vc, const int64_t *pos, uint16_t *out,
-                           int b, int kh, int H, int KV, int D, int T, float scale, float eps,
-                           float *work) {
-    const int G = H / KV;
+/* One row's q/k heads normed (if qn/kn) and rotated in place at position p, and its key and
+ * value heads written into the cache at (slot, p). row: [(H + 2 KV) D] = q | k | v heads;
+ * kc, vc: [S, KV, T, D]; tmp: D floats. */
+static void rope_write_row(uint16_t *row, const uint16_t *qn, const uint16_t *kn,
+                           const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
+                           int64_t slot, int64_t p, int H, int KV, int D, int T, float eps,
+                           float *tmp) {
+    const uint16_t *c = cos + p * D, *sn = sin + p * D;
+    for (int h = 0; h < H; h++) norm_rope(row + (int64_t)h * D, qn, c, sn, D, eps, tmp);
+    for (int kh = 0; kh < KV; kh++) {
+        uint16_t *k = row + (int64_t)(H + kh) * D;
+        norm_rope(k, kn, c, sn, D, eps, tmp);
+        const int64_t at = ((slot * KV + kh) * T + p) * D;
+        memcpy(kc + at, k, D * sizeof(uint16_t));
+        memcpy(vc + at, row + (int64_t)(H + KV + kh) * D, D * sizeof(uint16_t));
+    }
+}
+
+/* Attention of the G = H / KV query heads of KV head kh in one (rotated) row over positions
+ * 0..p of cache slot `slot`, in float32: out[g * D ..] for g < G, rounded to bf16 once.
+ * work: 2 G D + G T + D floats. */
+static void attend(const uint16_t *row, const uint16_t *kc, const uint16_t *vc, int64_t slot,
+                   int64_t p, int kh, int H, int KV, int D, int T, float scale, uint16_t *o,
+                   float *work) {
+    const int G = H / KV, len = (int)p + 1;
     float *qf = work;           /* [G, D] */
     float *acc = qf + G * D;    /* [G, D] */
     float *s = acc + G * D;     /* [G, T] */
     float *tmp = s + G * T;     /* [D] */
-    const int64_t p = pos[b];
-    const int len = (int)p + 1;
-    const uint16_t *c = cos + p * D, *sn = sin + p * D;
-    uint16_t *row = qkv + b * qkv_stride;
-    uint16_t *q = row + (int64_t)kh * G * D;
-    uint16_t *k = row + (int64_t)(H + kh) * D;
-    const uint16_t *v = row + (int64_t)(H + KV + kh) * D;
-    for (int g = 0; g < G; g++) norm_rope(q + g * D, qn, c, sn, D, eps, tmp);
-    norm_rope(k, kn, c, sn, D, eps, tmp);
-    uint16_t *kbase = kc + ((int64_t)b * KV + kh) * T * D;
-    uint16_t *vbase = vc + ((int64_t)b * KV + kh) * T * D;
-    memcpy(kbase + p * D, k, D * sizeof(uint16_t));
-    memcpy(vbase + p * D, v, D * sizeof(uint16_t));
+    const uint16_t *q = row + (int64_t)kh * G * D;
+    const uint16_t *kbase = kc + (slot * KV + kh) * T * D;
+    const uint16_t *vbase = vc + (slot * KV + kh) * T * D;
     scores(q, kbase, len, G, D, T, scale, qf, s);
     for (int g = 0; g < G; g++) {
         float *sg = s + g * T;
@@ -268,15 +275,14 @@ static void attention_item(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn
         const float inv = 1.0f / sum;
 #pragma omp simd
         for (int l = 0; l < len; l++) sg[l] *= inv;
-        memset(acc + g * D, 0, D * sizeof(float));
     }
-    uint16_t *o = out + ((int64_t)b * H + kh * G) * D;
 #ifdef __AVX512BF16__
     if (D % 32 == 0 && G <= 8) {
         PVS[G](s, T, vbase, len, D, o);
         return;
     }
 #endif
+    memset(acc, 0, (size_t)G * D * sizeof(float));
     for (int l = 0; l < len; l++) {
         const uint16_t *vr = vbase + (int64_t)l * D;
 #pragma omp simd
@@ -300,15 +306,29 @@ static inline void share(int n, int tid, int nt, int *lo, int *hi) {
     *hi = (int)((int64_t)n * (tid + 1) / nt);
 }
 
-/* Items lo..hi-1 (item = b * KV + kh) of a decode step's attention, in order. */
-static void attention_items(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn,
-                            const uint16_t *kn, const uint16_t *cos, const uint16_t *sin,
-                            uint16_t *kc, uint16_t *vc, const int64_t *pos, uint16_t *out,
-                            int lo, int hi, int H, int KV, int D, int T, float scale, float eps,
-                            float *work) {
-    for (int item = lo; item < hi; item++)
-        attention_item(qkv, qkv_stride, qn, kn, cos, sin, kc, vc, pos, out, item / KV,
-                       item % KV, H, KV, D, T, scale, eps, work);
+/* Attention for R rows inside a parallel region: every row's rotation and cache write, a
+ * barrier, then the (row, KV head) items, dynamically scheduled (a prefill's rows differ in
+ * length), ending with the loop's barrier. Row r sits in cache slot slot[r] (r if slot is
+ * NULL) at position pos[r]; rows of one slot see each other's keys, so a prompt's rows
+ * attend causally. qkv rows at stride ld; out [R, H D]. */
+static void attention_rows(uint16_t *qkv, int64_t ld, const uint16_t *qn, const uint16_t *kn,
+                           const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
+                           const int64_t *slot, const int64_t *pos, uint16_t *out, int R, int H,
+                           int KV, int D, int T, float scale, float eps, float *work, int tid,
+                           int nt) {
+    int lo, hi;
+    share(R, tid, nt, &lo, &hi);
+    for (int r = lo; r < hi; r++)
+        rope_write_row(qkv + r * ld, qn, kn, cos, sin, kc, vc, slot ? slot[r] : r, pos[r], H, KV,
+                       D, T, eps, work);
+#pragma omp barrier
+    const int G = H / KV;
+#pragma omp for schedule(dynamic, 4)
+    for (int item = 0; item < R * KV; item++) {
+        const int r = item / KV, kh = item % KV;
+        attend(qkv + r * ld, kc, vc, slot ? slot[r] : r, pos[r], kh, H, KV, D, T, scale,
+               out + ((int64_t)r * H + kh * G) * D, work);
+    }
 }
 
 /* One decode step of attention for B sequences in cache slots 0..B-1.
@@ -324,12 +344,9 @@ void rope_attention_bf16(uint16_t *qkv, int64_t qkv_stride, const uint16_t *qn,
                          float *work, int nthreads) {
     const int64_t per_thread = 2 * (int64_t)(H / KV) * D + (int64_t)(H / KV) * T + D;
 #pragma omp parallel num_threads(nthreads)
-    {
-        int lo, hi;
-        share(B * KV, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        attention_items(qkv, qkv_stride, qn, kn, cos, sin, kc, vc, pos, out, lo, hi, H, KV, D,
-                        T, scale, eps, work + per_thread * omp_get_thread_num());
-    }
+    attention_rows(qkv, qkv_stride, qn, kn, cos, sin, kc, vc, NULL, pos, out, B, H, KV, D, T,
+                   scale, eps, work + per_thread * omp_get_thread_num(), omp_get_thread_num(),
+                   omp_get_num_threads());
 }
 
 /* ---- Sampling --------------------------------------------------------------------------- */
@@ -544,50 +561,61 @@ static void add_norm_rows(uint16_t *x, const uint16_t *d, const uint16_t *w, uin
                           normed + (int64_t)lo * E, hi - lo, E, eps, work);
 }
 
-/* Logits [B, V] for tokens whose embeddings are x [B, E] (updated in place as the residual
- * stream), at positions pos [B] of cache slots 0..B-1 (kc, vc: layer 0's [S, KV, T, D],
- * layer n at + n * layer_stride). The same maths and roundings as the per-op path; every
- * phase splits its work over the team, with a barrier between phases.
- * buf: B * (E + (H + 2 KV) D + H D + E + I) bf16; work: nthreads * work_per_thread floats,
- * work_per_thread >= max(E, 2 G D + G T + D). */
-void decode_step_bf16(const layer_t *layers, int L, const uint16_t *final_norm,
-                      const uint16_t *lm_head, int V, uint16_t *x, uint16_t *kc, uint16_t *vc,
-                      int64_t layer_stride, const int64_t *pos, const uint16_t *cos,
-                      const uint16_t *sin, int B, int E, int H, int KV, int D, int I, int T,
-                      float scale, float eps, uint16_t *buf, float *work,
-                      int64_t work_per_thread, uint16_t *logits, int nthreads) {
+/* The forward pass of R token rows, all in one parallel region: row r has its embedding in
+ * x[r] (updated in place as the residual stream) and sits in cache slot slot[r] at position
+ * pos[r]; a decode step is one row per sequence, a prefill one row per prompt token, and
+ * both can share a call. Logits [n_out, V] of the rows out_rows[0..n_out) (all R rows if
+ * out_rows is NULL). kc, vc: layer 0's cache [S, KV, T, D], layer n at + n * layer_stride.
+ * The same maths and roundings as the per-op path; every phase splits its work over the
+ * team, with a barrier between phases.
+ * buf: R (2 E + (2 H + 2 KV) D + I) + n_out E bf16; work: nthreads * work_per_thread
+ * floats, work_per_thread >= max(E, 2 G D + G T + D). */
+void forward_rows_bf16(const layer_t *layers, int L, const uint16_t *final_norm,
+                       const uint16_t *lm_head, int V, uint16_t *x, uint16_t *kc, uint16_t *vc,
+                       int64_t layer_stride, const int64_t *slot, const int64_t *pos, int R,
+                       const int64_t *out_rows, int n_out, const uint16_t *cos,
+                       const uint16_t *sin, int E, int H, int KV, int D, int I, int T,
+                       float scale, float eps, uint16_t *buf, float *work,
+                       int64_t work_per_thread, uint16_t *logits, int nthreads) {
     const int Q = (H + 2 * KV) * D;
-    uint16_t *normed = buf, *qkv = normed + (int64_t)B * E, *o = qkv + (int64_t)B * Q;
-    uint16_t *proj = o + (int64_t)B * H * D, *act = proj + (int64_t)B * E;
+    uint16_t *normed = buf, *qkv = normed + (int64_t)R * E, *o = qkv + (int64_t)R * Q;
+    uint16_t *proj = o + (int64_t)R * H * D, *act = proj + (int64_t)R * E;
+    uint16_t *picked = out_rows ? act + (int64_t)R * I : normed;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         float *w = work + work_per_thread * tid;
-        int rlo, rhi, ilo, ihi;
-        share(B, tid, nt, &rlo, &rhi);
-        share(B * KV, tid, nt, &ilo, &ihi);
+        int rlo, rhi;
+        share(R, tid, nt, &rlo, &rhi);
         add_norm_rows(x, NULL, layers[0].attn_norm, normed, rlo, rhi, E, eps, w);
 #pragma omp barrier
         for (int n = 0; n < L; n++) {
             const layer_t *l = layers + n;
-            gemm_part(normed, E, B, E, l->wqkv, Q, l->bqkv, qkv, Q, EPI_STORE, tid, nt);
+            gemm_part(normed, E, R, E, l->wqkv, Q, l->bqkv, qkv, Q, EPI_STORE, tid, nt);
 #pragma omp barrier
-            attention_items(qkv, Q, l->qn, l->kn, cos, sin, kc + n * layer_stride,
-                            vc + n * layer_stride, pos, o, ilo, ihi, H, KV, D, T, scale, eps, w);
-#pragma omp barrier
-            gemm_part(o, H * D, B, H * D, l->wo, E, l->bo, proj, E, EPI_STORE, tid, nt);
+            attention_rows(qkv, Q, l->qn, l->kn, cos, sin, kc + n * layer_stride,
+                           vc + n * layer_stride, slot, pos, o, R, H, KV, D, T, scale, eps, w,
+                           tid, nt);  /* ends with a barrier */
+            gemm_part(o, H * D, R, H * D, l->wo, E, l->bo, proj, E, EPI_STORE, tid, nt);
 #pragma omp barrier
             add_norm_rows(x, proj, l->mlp_norm, normed, rlo, rhi, E, eps, w);
 #pragma omp barrier
-            gemm_part(normed, E, B, E, l->wgu, 2 * I, l->bgu, act, I, EPI_SILU, tid, nt);
+            gemm_part(normed, E, R, E, l->wgu, 2 * I, l->bgu, act, I, EPI_SILU, tid, nt);
 #pragma omp barrier
-            gemm_part(act, I, B, I, l->wdown, E, l->bdown, proj, E, EPI_STORE, tid, nt);
+            gemm_part(act, I, R, I, l->wdown, E, l->bdown, proj, E, EPI_STORE, tid, nt);
 #pragma omp barrier
             add_norm_rows(x, proj, n + 1 < L ? layers[n + 1].attn_norm : final_norm, normed,
                           rlo, rhi, E, eps, w);
 #pragma omp barrier
         }
-        gemm_part(normed, E, B, E, lm_head, V, NULL, logits, V, EPI_STORE, tid, nt);
+        if (out_rows) {
+            int lo, hi;
+            share(n_out, tid, nt, &lo, &hi);
+            for (int i = lo; i < hi; i++)
+                memcpy(picked + (int64_t)i * E, normed + out_rows[i] * E, E * sizeof(uint16_t));
+#pragma omp barrier
+        }
+        gemm_part(picked, E, n_out, E, lm_head, V, NULL, logits, V, EPI_STORE, tid, nt);
     }
 }
 #endif
