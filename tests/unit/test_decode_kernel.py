@@ -283,3 +283,27 @@ def test_prefill_rows_in_one_call_match_the_torch_path_and_fill_the_same_cache(t
                                        theirs[:, 2 + i, :, :n].float(), atol=0.0625, rtol=0)
             assert not ours[:, 2 + i, :, n:].any()
     assert not cache.k[:, :2].any() and not cache.v[:, :2].any()
+
+
+@needs_gemm
+def test_one_call_mixing_decode_rows_and_a_prompt_equals_separate_calls_bit_for_bit(tmp_path):
+    path = make_tiny_model(tmp_path / "m", num_heads=4, num_kv_heads=2, hidden_size=128,
+                           head_dim=32)
+    model = Transformer.from_pretrained(path, dtype=torch.bfloat16, max_seq_len=64)
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, 300, (2, 7), generator=gen)
+    new_prompt = torch.randint(3, 300, (1, 5), generator=gen)
+    nxt = torch.randint(3, 300, (2,), generator=gen)
+    caches = model.new_cache(3, 64), model.new_cache(3, 64)
+    for cache in caches:
+        model.prefill(prompts, torch.tensor([7, 4]), cache, slot_start=0)
+    # separately: decode slots 0-1, then prefill the new prompt into slot 2
+    decoded = model.decode(nxt, torch.tensor([7, 4]), caches[0], 8)
+    prefilled = model.prefill(new_prompt, torch.tensor([5]), caches[0], slot_start=2)
+    # one call: rows = the two decode tokens, then the prompt's five
+    mixed = model.forward_rows(torch.cat([nxt, new_prompt[0]]),
+                               torch.tensor([0, 1, 2, 2, 2, 2, 2]),
+                               torch.tensor([7, 4, 0, 1, 2, 3, 4]), caches[1],
+                               torch.tensor([0, 1, 6]))
+    assert torch.equal(mixed, torch.cat([decoded, prefilled]))
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

@@ -245,12 +245,22 @@ class LocalEngine:
                 self._fail_all(e)
 
     def step(self) -> None:
-        """One scheduling iteration: apply weight updates, admit waiting requests, decode once."""
+        """One scheduling iteration: apply weight updates, admit waiting requests, decode once.
+
+        With the C forward, requests admitted while others decode are prefilled in the same
+        pass as the others' next token (one pass over the weights instead of two).
+        """
         with self._step_lock:
             self._apply_updates()
             if self._paused:
                 return
-            self._admit()
+            n_old = len(self._active)
+            new = self._take_waiting()
+            if new and n_old and self.model.fused:
+                self._mixed_step(n_old, new)
+                return
+            if new:
+                self._first_tokens(n_old, new)
             if self._active:
                 self._decode_step()
 
@@ -264,8 +274,8 @@ class LocalEngine:
                 self._prefill(self._active, 0, [s.kv_tokens() for s in self._active])
             done.set_result(None)
 
-    def _admit(self) -> None:
-        """Move waiting requests into free slots and prefill them in one padded batch."""
+    def _take_waiting(self) -> list[_Seq]:
+        """Move waiting requests into the free slots after the active ones, within the budget."""
         with self._cond:
             free = self.config.max_batch_size - len(self._active)
             new: list[_Seq] = []
@@ -276,11 +286,13 @@ class LocalEngine:
                     break
                 new.append(self._waiting.popleft())
                 width = width_next
-        if not new:
-            return
-        start = len(self._active)
         self._active.extend(new)
-        self._sampling = None
+        if new:
+            self._sampling = None
+        return new
+
+    def _first_tokens(self, start: int, new: list[_Seq]) -> None:
+        """Prefill the prompts of `new` (slots start..) and sample their first tokens."""
         logits = self._prefill(new, start, [s.req.input_ids for s in new])
         sb = SamplingBatch.from_params([s.req.sampling for s in new], self.device)
         tokens, logprobs = sample(logits, sb, self._generator)
@@ -308,6 +320,27 @@ class LocalEngine:
                                           self.cache, start + i))
             i = j
         return torch.cat(out)
+
+    def _mixed_step(self, n_old: int, new: list[_Seq]) -> None:
+        """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..) at once."""
+        lengths = torch.tensor([len(s.req.input_ids) for s in new])
+        slots = torch.arange(n_old, n_old + len(new))
+        prompt_pos = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+            lengths.cumsum(0) - lengths, lengths)  # 0..len-1 for each prompt
+        tokens = torch.cat([self._last_token[:n_old],
+                            torch.tensor([t for s in new for t in s.req.input_ids])])
+        logits = self.model.forward_rows(
+            tokens, torch.cat([torch.arange(n_old), torch.repeat_interleave(slots, lengths)]),
+            torch.cat([self._position[:n_old], prompt_pos]), self.cache,
+            torch.cat([torch.arange(n_old), n_old + lengths.cumsum(0) - 1]))
+        self._sampling = SamplingBatch.from_params([s.req.sampling for s in self._active],
+                                                   self.device)
+        tokens, logprobs = sample(logits, self._sampling, self._generator)
+        n = len(self._active)
+        self._last_token[:n] = tokens
+        self._position[:n_old] += 1
+        self._position[n_old:n] = lengths
+        self._record(0, tokens, logprobs)
 
     def _decode_step(self) -> None:
         n = len(self._active)

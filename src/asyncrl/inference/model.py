@@ -586,11 +586,11 @@ class Transformer:
         With `all_logits`, logits at every position [B, T, V] (for tests and scoring).
         """
         b, t = tokens.shape
-        if self.kernels is not None and self.w.pointers is not None:
+        if self.fused:
             valid = torch.arange(t)[None, :] < lengths[:, None]  # [B, T]
             rows_b, rows_t = valid.nonzero(as_tuple=True)  # prompt by prompt, in order
             ends = lengths.cumsum(0) - 1  # each prompt's last row
-            logits = self._forward_rows(tokens[rows_b, rows_t], rows_b + slot_start, rows_t,
+            logits = self.forward_rows(tokens[rows_b, rows_t], rows_b + slot_start, rows_t,
                                         cache, None if all_logits else ends)
             if not all_logits:
                 return logits
@@ -621,8 +621,8 @@ class Transformer:
 
         `kv_len` = max(positions) + 1 bounds the attended cache slice.
         """
-        if self.kernels is not None and self.w.pointers is not None:
-            return self._forward_rows(tokens, None, positions, cache, None)
+        if self.fused:
+            return self.forward_rows(tokens, None, positions, cache, None)
         if self.kernels is not None:
             return self._decode_with_kernels(tokens, positions, cache)
         b, kv, t = tokens.shape[0], self.cfg.num_kv_heads, cache.max_seq_len
@@ -689,7 +689,13 @@ class Transformer:
                            b, c.hidden_size, eps, norm_work.data_ptr())
         return linear(normed, w.lm_head)
 
-    def _forward_rows(self, tokens: torch.Tensor, slots: torch.Tensor | None,
+    @property
+    def fused(self) -> bool:
+        """Whether `forward_rows` (the one-call C forward) runs for the current weights."""
+        return self.kernels is not None and self.w is not None and self.w.pointers is not None
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: torch.Tensor, slots: torch.Tensor | None,
                       positions: torch.Tensor, cache: KVCache,
                       out_rows: torch.Tensor | None) -> torch.Tensor:
         """Logits [n, V] of rows `out_rows` (all if None) of the token rows `tokens` [R] at
