@@ -81,9 +81,9 @@ def main() -> None:
         sb = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * b)
         sampler = {"torch": [], "C": []}
         for _ in range(args.rounds):
-            for name, x in (("torch", logits.float()), ("C", logits)):  # fp32: the torch path
+            for name, torch_path in (("torch", True), ("C", False)):
                 start = time.perf_counter()
-                sample(x, sb)
+                sample(logits.float() if torch_path else logits, sb)  # fp32 takes the torch path
                 sampler[name].append(time.perf_counter() - start)
         base = statistics.median(times["torch"])
         cells = []
