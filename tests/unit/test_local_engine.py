@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.engine import LocalEngine
+from asyncrl.inference.engine import LocalEngine, _shared_prefixes
 from asyncrl.inference.model import (
     CheckpointError,
     ModelConfig,
@@ -209,6 +209,39 @@ def test_request_admitted_mid_decode_matches_running_alone(tiny, dtype):
         assert out[req.rid].output_ids == single.output_ids
         if dtype == "bfloat16" and engine.model.fused:
             assert out[req.rid].output_logprobs == single.output_logprobs
+
+
+def test_shared_prefixes_pick_the_longest_earlier_full_prompt_and_keep_the_last_token():
+    a = list(range(10, 30))  # 20 tokens
+    prompts = [a, a, a[:12] + [1, 2, 3], [5] * 9, a[:5] + [7] * 10, a + [99]]
+    donor, shared = _shared_prefixes(prompts, min_shared=8)
+    # identical: all but the last token; partial: the common 12; short overlap (5): none;
+    # a + [99] shares all of a with prompt 0 (prompts 1 and 2 are not full, so not donors)
+    assert donor == [-1, 0, 0, -1, -1, 0]
+    assert shared == [0, 19, 12, 0, 0, 20]
+    assert _shared_prefixes([a], 8) == ([-1], [0])
+
+
+def test_a_group_of_equal_prompts_computes_the_prompt_once_and_matches_running_alone(tiny):
+    engine = new_engine(tiny, dtype="bfloat16", max_batch_size=8)
+    if not engine.model.fused:
+        pytest.skip("needs the C forward (AVX512-BF16)")
+    prompt = list(range(40, 70))  # 30 tokens
+    reqs = [greedy(prompt, 6) for _ in range(4)] + [greedy(prompt[:20] + [5, 6, 7], 6)]
+    rows = []
+    forward = engine.model.forward_rows
+    engine.model.forward_rows = lambda tokens, *a: rows.append(len(tokens)) or forward(tokens, *a)
+    out: dict = {}
+    for r in reqs:
+        submit(engine, r, out)
+    drain(engine, out, len(reqs))
+    # the first step: prompt 0 in full (30 rows), then the last token of each copy (3 rows)
+    # and the 3 tokens after the shared 20 of the last prompt
+    assert rows[:2] == [30, 3 + 3]
+    for r in reqs:
+        single = alone(tiny, r, dtype="bfloat16")
+        assert out[r.rid].output_ids == single.output_ids
+        assert out[r.rid].output_logprobs == single.output_logprobs
 
 
 def test_waiting_requests_fill_freed_slots_and_match_running_alone(tiny):

@@ -47,6 +47,9 @@ TokenCallback = Callable[[int, float, int], None]
 # Padded tokens per prefill forward: bounds the pause that admitting requests imposes on
 # the sequences already decoding (and the activation memory of one prefill).
 PREFILL_TOKEN_BUDGET = 8192
+# A prompt admitted with another that starts with the same tokens takes that prefix's keys
+# and values from it instead of computing them, from this many shared tokens on.
+MIN_SHARED_PREFIX = 8
 
 
 @dataclass(eq=False)
@@ -256,7 +259,7 @@ class LocalEngine:
                 return
             n_old = len(self._active)
             new = self._take_waiting()
-            if new and n_old and self.model.fused:
+            if new and self.model.fused:
                 self._mixed_step(n_old, new)
                 return
             if new:
@@ -322,25 +325,55 @@ class LocalEngine:
         return torch.cat(out)
 
     def _mixed_step(self, n_old: int, new: list[_Seq]) -> None:
-        """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..) at once."""
-        lengths = torch.tensor([len(s.req.input_ids) for s in new])
-        slots = torch.arange(n_old, n_old + len(new))
-        prompt_pos = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-            lengths.cumsum(0) - lengths, lengths)  # 0..len-1 for each prompt
-        tokens = torch.cat([self._last_token[:n_old],
-                            torch.tensor([t for s in new for t in s.req.input_ids])])
-        logits = self.model.forward_rows(
-            tokens, torch.cat([torch.arange(n_old), torch.repeat_interleave(slots, lengths)]),
-            torch.cat([self._position[:n_old], prompt_pos]), self.cache,
-            torch.cat([torch.arange(n_old), n_old + lengths.cumsum(0) - 1]))
+        """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..).
+
+        One C forward holds the decode rows and the prompt rows. A prompt that shares a
+        prefix of at least MIN_SHARED_PREFIX tokens with an earlier one of `new` (a GRPO
+        group's samples share all of it) gets that prefix's keys and values copied from the
+        earlier one's slot and computes only the rest, in a second, smaller forward. Each
+        row's maths is independent of the others', so the results are bit-identical to
+        computing every prompt in full.
+        """
+        prompts = [s.req.input_ids for s in new]
+        donor, shared = _shared_prefixes(prompts, MIN_SHARED_PREFIX)
+        full = [i for i in range(len(new)) if donor[i] < 0]
+        dependent = [i for i in range(len(new)) if donor[i] >= 0]
+        logits = torch.empty(n_old + len(new), self.model.cfg.vocab_size, dtype=self.model.dtype)
+        # the decode rows, and the prompts computed in full
+        rows = self._prompt_rows(n_old, [(i, 0) for i in full], prompts)
+        out = self.model.forward_rows(
+            torch.cat([self._last_token[:n_old], rows[0]]),
+            torch.cat([torch.arange(n_old), rows[1]]),
+            torch.cat([self._position[:n_old], rows[2]]), self.cache,
+            torch.cat([torch.arange(n_old), n_old + rows[3]]))
+        logits[torch.cat([torch.arange(n_old), n_old + torch.tensor(full, dtype=torch.long)])] = out
+        if dependent:
+            for i in dependent:  # the shared prefix's keys and values, from the donor's slot
+                self.cache.move(n_old + donor[i], n_old + i, shared[i])
+            rows = self._prompt_rows(n_old, [(i, shared[i]) for i in dependent], prompts)
+            logits[n_old + torch.tensor(dependent)] = self.model.forward_rows(
+                rows[0], rows[1], rows[2], self.cache, rows[3])
         self._sampling = SamplingBatch.from_params([s.req.sampling for s in self._active],
                                                    self.device)
         tokens, logprobs = sample(logits, self._sampling, self._generator)
         n = len(self._active)
         self._last_token[:n] = tokens
         self._position[:n_old] += 1
-        self._position[n_old:n] = lengths
+        self._position[n_old:n] = torch.tensor([len(p) for p in prompts])
         self._record(0, tokens, logprobs)
+
+    @staticmethod
+    def _prompt_rows(n_old: int, parts: list[tuple[int, int]], prompts: list[list[int]]):
+        """(tokens, slots, positions, last-row indices) of prompts[i][start:] for (i, start)."""
+        tokens, slots, positions, last = [], [], [], []
+        for i, start in parts:
+            tokens += prompts[i][start:]
+            slots += [n_old + i] * (len(prompts[i]) - start)
+            positions += range(start, len(prompts[i]))
+            last.append(len(tokens) - 1)
+        long = dict(dtype=torch.long)
+        return (torch.tensor(tokens, **long), torch.tensor(slots, **long),
+                torch.tensor(positions, **long), torch.tensor(last, **long))
 
     def _decode_step(self) -> None:
         n = len(self._active)
@@ -423,3 +456,27 @@ def _single_threaded():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _shared_prefixes(prompts: list[list[int]], min_shared: int) -> tuple[list[int], list[int]]:
+    """For each prompt, an earlier prompt computed in full that it shares the longest prefix
+    with (donor index, or -1 for none) and how many of its tokens to take from there: at
+    least `min_shared`, and never its last token (whose logits it needs)."""
+    donor, shared = [-1] * len(prompts), [0] * len(prompts)
+    if len(prompts) < 2:
+        return donor, shared
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), -1, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    # common[i, j]: length of the common prefix of prompts i and j
+    common = (ids[:, None, :] == ids[None, :, :]).cumprod(-1).sum(-1).tolist()
+    for i in range(1, len(prompts)):
+        best, best_len = -1, 0
+        for j in range(i):
+            if donor[j] < 0 and common[i][j] > best_len:
+                best, best_len = j, common[i][j]
+        best_len = min(best_len, len(prompts[i]) - 1)
+        if best_len >= min_shared:
+            donor[i], shared[i] = best, best_len
+    return donor, shared
