@@ -244,6 +244,61 @@ def test_a_group_of_equal_prompts_computes_the_prompt_once_and_matches_running_a
         assert out[r.rid].output_logprobs == single.output_logprobs
 
 
+def test_shared_prefixes_can_come_from_running_sequences():
+    running = [list(range(100, 130)), []]  # a running sequence's cached tokens; a stale one
+    a = list(range(100, 125)) + [1, 2]
+    donor, shared = _shared_prefixes([a, a, [3] * 12], 8, running)
+    # the first takes 25 tokens from slot 0 and is computed past them, so it is a source:
+    # the second takes all but its last token from it (index 2 = slot 2)
+    assert donor == [0, 2, -1] and shared == [25, 26, 0]
+
+
+def test_a_request_admitted_mid_decode_reuses_a_running_prompt_bit_for_bit(tiny):
+    engine = new_engine(tiny, dtype="bfloat16")
+    if not engine.model.fused:
+        pytest.skip("needs the C forward (AVX512-BF16)")
+    prompt = list(range(40, 70))
+    first, second = greedy(prompt, 12), greedy(prompt + [7, 8], 6)
+    rows = []
+    forward = engine.model.forward_rows
+    engine.model.forward_rows = lambda tokens, *a: rows.append(len(tokens)) or forward(tokens, *a)
+    out: dict = {}
+    submit(engine, first, out)
+    for _ in range(3):
+        engine.step()
+    submit(engine, second, out)
+    engine.step()
+    # 1 decode row + the 2 tokens after the 30 shared with the running request
+    assert rows[3] == 1 + 2
+    drain(engine, out, 2)
+    for r in (first, second):
+        single = alone(tiny, r, dtype="bfloat16")
+        assert out[r.rid].output_ids == single.output_ids
+        assert out[r.rid].output_logprobs == single.output_logprobs
+
+
+def test_running_caches_from_old_weights_are_not_shared(tiny, tiny_v1):
+    engine = new_engine(tiny, dtype="bfloat16", recompute_kv_on_update=False)
+    if not engine.model.fused:
+        pytest.skip("needs the C forward (AVX512-BF16)")
+    prompt = list(range(40, 70))
+    out: dict = {}
+    submit(engine, greedy(prompt, 20), out)
+    for _ in range(3):
+        engine.step()
+    engine.update_weights(tiny_v1, 1)  # the running request keeps its version-0 cache
+    rows = []
+    forward = engine.model.forward_rows
+    engine.model.forward_rows = lambda tokens, *a: rows.append(len(tokens)) or forward(tokens, *a)
+    second = greedy(prompt + [7, 8], 4)
+    submit(engine, second, out)
+    engine.step()
+    assert rows == [1 + 32]  # the new prompt computed in full, under version 1
+    drain(engine, out, 2)
+    assert out[second.rid].output_logprobs == alone(tiny_v1, second,
+                                                    dtype="bfloat16").output_logprobs
+
+
 def test_waiting_requests_fill_freed_slots_and_match_running_alone(tiny):
     # 6 requests, 2 slots: finishing requests free slots mid-decode (the last active
     # sequence moves into the freed slot) and queued ones are admitted.

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +62,7 @@ class _Seq:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv_current: bool = True  # its cached keys and values come from the current weights
 
     @property
     def n_tokens(self) -> int:
@@ -275,6 +276,9 @@ class LocalEngine:
             self.version = version
             if self.config.recompute_kv_on_update and self._active:
                 self._prefill(self._active, 0, [s.kv_tokens() for s in self._active])
+            else:
+                for seq in self._active:  # not a prefix to share with new requests any more
+                    seq.kv_current = False
             done.set_result(None)
 
     def _take_waiting(self) -> list[_Seq]:
@@ -328,19 +332,26 @@ class LocalEngine:
         """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..).
 
         One C forward holds the decode rows and the prompt rows. A prompt that shares a
-        prefix of at least MIN_SHARED_PREFIX tokens with an earlier one of `new` (a GRPO
-        group's samples share all of it) gets that prefix's keys and values copied from the
-        earlier one's slot and computes only the rest, in a second, smaller forward. Each
-        row's maths is independent of the others', so the results are bit-identical to
-        computing every prompt in full.
+        prefix of at least MIN_SHARED_PREFIX tokens with a running sequence's cached tokens
+        or with an earlier prompt of `new` (a GRPO group's samples share all of it) gets
+        that prefix's keys and values copied from there and computes only the rest; prompts
+        that share with an earlier new one run in a second, smaller forward. Each row's
+        maths is independent of the others', so the results are bit-identical to computing
+        every prompt in full.
         """
         prompts = [s.req.input_ids for s in new]
-        donor, shared = _shared_prefixes(prompts, MIN_SHARED_PREFIX)
-        full = [i for i in range(len(new)) if donor[i] < 0]
-        dependent = [i for i in range(len(new)) if donor[i] >= 0]
+        # running sequences share what their cache holds (and only from the current weights)
+        cached = [s.kv_tokens() if s.kv_current else [] for s in self._active[:n_old]]
+        donor, shared = _shared_prefixes(prompts, MIN_SHARED_PREFIX, cached)
+        # donors index cached + prompts, i.e. they are slots
+        for i, d in enumerate(donor):
+            if 0 <= d < n_old:
+                self.cache.move(d, n_old + i, shared[i])
+        full = [i for i in range(len(new)) if donor[i] < n_old]  # incl. those sharing a running one
+        dependent = [i for i in range(len(new)) if donor[i] >= n_old]
         logits = torch.empty(n_old + len(new), self.model.cfg.vocab_size, dtype=self.model.dtype)
         # the decode rows, and the prompts computed in full
-        rows = self._prompt_rows(n_old, [(i, 0) for i in full], prompts)
+        rows = self._prompt_rows(n_old, [(i, shared[i]) for i in full], prompts)
         out = self.model.forward_rows(
             torch.cat([self._last_token[:n_old], rows[0]]),
             torch.cat([torch.arange(n_old), rows[1]]),
@@ -349,7 +360,7 @@ class LocalEngine:
         logits[torch.cat([torch.arange(n_old), n_old + torch.tensor(full, dtype=torch.long)])] = out
         if dependent:
             for i in dependent:  # the shared prefix's keys and values, from the donor's slot
-                self.cache.move(n_old + donor[i], n_old + i, shared[i])
+                self.cache.move(donor[i], n_old + i, shared[i])
             rows = self._prompt_rows(n_old, [(i, shared[i]) for i in dependent], prompts)
             logits[n_old + torch.tensor(dependent)] = self.model.forward_rows(
                 rows[0], rows[1], rows[2], self.cache, rows[3])
@@ -458,25 +469,37 @@ def _single_threaded():
         torch.set_num_threads(before)
 
 
-def _shared_prefixes(prompts: list[list[int]], min_shared: int) -> tuple[list[int], list[int]]:
-    """For each prompt, an earlier prompt computed in full that it shares the longest prefix
-    with (donor index, or -1 for none) and how many of its tokens to take from there: at
-    least `min_shared`, and never its last token (whose logits it needs)."""
+def _shared_prefixes(prompts: list[list[int]], min_shared: int,
+                     cached: Sequence[list[int]] = ()) -> tuple[list[int], list[int]]:
+    """Where each prompt can take the keys and values of a prefix from, and how many.
+
+    Candidates are the token lists `cached` (already in the cache), then `prompts` in
+    order, where only prompts that take nothing from an earlier prompt count (they are
+    computed in full first). Per prompt: the candidate's index in cached + prompts with the
+    longest common prefix, or -1, and the number of tokens to take: at least `min_shared`,
+    and never the prompt's last token (whose logits it needs).
+    """
     donor, shared = [-1] * len(prompts), [0] * len(prompts)
-    if len(prompts) < 2:
+    seqs = list(cached) + list(prompts)
+    if len(seqs) < 2:
         return donor, shared
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), -1, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-    # common[i, j]: length of the common prefix of prompts i and j
-    common = (ids[:, None, :] == ids[None, :, :]).cumprod(-1).sum(-1).tolist()
-    for i in range(1, len(prompts)):
+    ids = torch.full((len(seqs), max(map(len, seqs)) + 1), -1, dtype=torch.long)
+    for i, p in enumerate(seqs):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    # common[i][j]: length of the common prefix of seqs i and j (-1 padding never matches
+    # a token, and the extra padding column ends every run)
+    eq = (ids[:, None, :] == ids[None, :, :]) & (ids[:, None, :] >= 0)
+    common = eq.cumprod(-1).sum(-1).tolist()
+    sources = list(range(len(cached)))
+    for i in range(len(prompts)):
+        row = len(cached) + i
         best, best_len = -1, 0
-        for j in range(i):
-            if donor[j] < 0 and common[i][j] > best_len:
-                best, best_len = j, common[i][j]
+        for j in sources:
+            if common[row][j] > best_len:
+                best, best_len = j, common[row][j]
         best_len = min(best_len, len(prompts[i]) - 1)
         if best_len >= min_shared:
             donor[i], shared[i] = best, best_len
+        if best < len(cached) or best_len < min_shared:  # computed in full (past the prefix)
+            sources.append(row)
     return donor, shared
