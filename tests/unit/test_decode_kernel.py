@@ -307,3 +307,39 @@ def test_one_call_mixing_decode_rows_and_a_prompt_equals_separate_calls_bit_for_
                                torch.tensor([0, 1, 6]))
     assert torch.equal(mixed, torch.cat([decoded, prefilled]))
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_a_build_without_avx512_has_the_per_op_kernels_and_the_sampler_only(tmp_path):
+    import ctypes
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    src = resources.files("asyncrl.inference.kernels") / "decode.c"
+    lib_path = tmp_path / "decode_avx2.so"
+    flags = [f for f in __import__("asyncrl.inference.kernels", fromlist=["FLAGS"]).FLAGS
+             if not f.startswith("-march")]
+    subprocess.run([cc, *flags, "-march=x86-64-v3", str(src), "-o", str(lib_path), "-lm"],
+                   check=True, capture_output=True)
+    portable = DecodeKernels(ctypes.CDLL(str(lib_path)))
+    assert not portable.has_gemm  # the packed matmuls need AVX512-BF16: oneDNN's run instead
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 96, generator=gen).bfloat16()
+    d = torch.randn(3, 96, generator=gen).bfloat16()
+    w = (1 + torch.randn(96, generator=gen) / 4).bfloat16()
+    outs, work = [], torch.empty(96)  # every buffer bound to a name: alive during the call
+    for k in (kernels, portable):
+        xx, out = x.clone(), torch.empty_like(x)
+        k.add_rms_norm(xx.data_ptr(), d.data_ptr(), w.data_ptr(), out.data_ptr(), 3, 96, 1e-5,
+                       work.data_ptr())
+        outs.append(out)
+    assert ulps(outs[1], outs[0]) <= 1
+    logits = (torch.randn(2, 300, generator=gen) * 3).bfloat16()
+    tokens, logprobs = torch.empty(2, dtype=torch.long), torch.empty(2)
+    zeros, work = torch.zeros(2), torch.empty(2 * 302)
+    portable.sample_rows(logits.data_ptr(), 2, 300, zeros.data_ptr(), zeros.data_ptr(),
+                         tokens.data_ptr(), logprobs.data_ptr(), work.data_ptr(), 2)
+    assert tokens.tolist() == logits.float().argmax(-1).tolist()  # temperature 0: greedy
+    expected = logits.float().log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)

@@ -1,14 +1,17 @@
-/* The elementwise and attention parts of one decode step over a bf16 slot KV cache.
+/* The bf16 CPU forward pass of the local engine, over a slot KV cache.
  *
- * The matrix products stay with oneDNN; everything between them is here, one call each:
- * add_rms_norm (residual add + RMSNorm), rope_attention (optional per-head q/k RMSNorm,
- * rotary embedding, KV-cache write, attention over each sequence's exact length) and
- * silu_mul. Every bf16 rounding of the torch/HF forward is reproduced (each op rounds its
- * result to bf16; norms and softmax run in float32), so results match the torch path up to
- * summation order. Plain loops that gcc vectorises, AVX512-BF16 dot products where the CPU
- * has them. Attention splits sequences and KV heads over OpenMP threads; the library links
- * libgomp.so.1 by soname, so in a process that imported torch it shares torch's runtime
- * and thread pool. Compiled at first use by kernels/__init__.py.
+ * forward_rows_bf16 runs a whole forward pass of any set of token rows (a decode step,
+ * prompts, or both) in one OpenMP parallel region: products on prepacked weights with
+ * AVX512-BF16 dot products (gemm_part), and between them residual add + RMSNorm, optional
+ * per-head q/k RMSNorm, rotary embedding, KV-cache write and attention over each row's
+ * exact length, SiLU. sample_rows_bf16 draws the next tokens. The per-op entry points
+ * (add_rms_norm_bf16, rope_attention_bf16, silu_mul_bf16) serve CPUs without AVX512-BF16,
+ * between oneDNN's products. Every bf16 rounding of the torch/HF forward is reproduced
+ * (each op rounds its result to bf16; products, norms and softmax accumulate in float32),
+ * so results match the torch path up to summation order. A row's result never depends on
+ * the other rows (batch invariance). The library links libgomp.so.1 by soname, so in a
+ * process that imported torch it shares torch's runtime and thread pool. Compiled at first
+ * use by kernels/__init__.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -545,7 +548,7 @@ void gemm_silu_bf16(const uint16_t *x, int64_t ldx, int M, int K, const uint16_t
               omp_get_num_threads());
 }
 
-/* ---- A whole decode step in one parallel region ---------------------------------------- */
+/* ---- A whole forward pass in one parallel region ----------------------------------------- */
 
 typedef struct {  /* one layer's weights; the Python side passes 12 pointers per layer */
     const uint16_t *attn_norm, *wqkv, *bqkv, *qn, *kn, *wo, *bo, *mlp_norm, *wgu, *bgu,
