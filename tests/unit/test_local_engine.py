@@ -299,6 +299,35 @@ def test_running_caches_from_old_weights_are_not_shared(tiny, tiny_v1):
                                                     dtype="bfloat16").output_logprobs
 
 
+def test_kv_recompute_after_an_update_shares_a_groups_prompt_bit_for_bit(tiny, tiny_v1,
+                                                                        monkeypatch):
+    prompt = list(range(40, 70))
+    runs = []
+    for min_shared in (8, 10**9):  # shared prefixes, then none
+        monkeypatch.setattr("asyncrl.inference.engine.MIN_SHARED_PREFIX", min_shared)
+        engine = new_engine(tiny, dtype="bfloat16", max_batch_size=8)
+        if not engine.model.fused:
+            pytest.skip("needs the C forward (AVX512-BF16)")
+        reqs = [greedy(prompt, 10) for _ in range(4)]
+        out: dict = {}
+        for r in reqs:
+            submit(engine, r, out)
+        for _ in range(4):
+            engine.step()
+        rows = []
+        forward = engine.model.forward_rows
+        engine.model.forward_rows = (
+            lambda tokens, *a, f=forward: rows.append(len(tokens)) or f(tokens, *a))
+        engine.update_weights(tiny_v1, 1)  # recomputes the cache of all 4 under version 1
+        recompute = list(rows)
+        drain(engine, out, 4)
+        runs.append(([out[r.rid].output_ids for r in reqs],
+                     [out[r.rid].output_logprobs for r in reqs], recompute))
+    # each sequence has 33 cached tokens (30 prompt + 3 generated, all alike: greedy)
+    assert runs[0][2] == [33, 3] and runs[1][2] == [4 * 33]
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+
+
 def test_waiting_requests_fill_freed_slots_and_match_running_alone(tiny):
     # 6 requests, 2 slots: finishing requests free slots mid-decode (the last active
     # sequence moves into the freed slot) and queued ones are admitted.

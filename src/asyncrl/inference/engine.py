@@ -275,7 +275,11 @@ class LocalEngine:
             self.model.w = weights
             self.version = version
             if self.config.recompute_kv_on_update and self._active:
-                self._prefill(self._active, 0, [s.kv_tokens() for s in self._active])
+                kv_tokens = [s.kv_tokens() for s in self._active]
+                if self.model.fused:  # shared prefixes (a group's prompt) computed once
+                    self._forward_prompts(0, kv_tokens, decode=False)
+                else:
+                    self._prefill(self._active, 0, kv_tokens)
             else:
                 for seq in self._active:  # not a prefix to share with new requests any more
                     seq.kv_current = False
@@ -329,41 +333,12 @@ class LocalEngine:
         return torch.cat(out)
 
     def _mixed_step(self, n_old: int, new: list[_Seq]) -> None:
-        """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..).
-
-        One C forward holds the decode rows and the prompt rows. A prompt that shares a
-        prefix of at least MIN_SHARED_PREFIX tokens with a running sequence's cached tokens
-        or with an earlier prompt of `new` (a GRPO group's samples share all of it) gets
-        that prefix's keys and values copied from there and computes only the rest; prompts
-        that share with an earlier new one run in a second, smaller forward. Each row's
-        maths is independent of the others', so the results are bit-identical to computing
-        every prompt in full.
-        """
+        """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..), in the
+        same forward (see `_forward_prompts`)."""
         prompts = [s.req.input_ids for s in new]
         # running sequences share what their cache holds (and only from the current weights)
         cached = [s.kv_tokens() if s.kv_current else [] for s in self._active[:n_old]]
-        donor, shared = _shared_prefixes(prompts, MIN_SHARED_PREFIX, cached)
-        # donors index cached + prompts, i.e. they are slots
-        for i, d in enumerate(donor):
-            if 0 <= d < n_old:
-                self.cache.move(d, n_old + i, shared[i])
-        full = [i for i in range(len(new)) if donor[i] < n_old]  # incl. those sharing a running one
-        dependent = [i for i in range(len(new)) if donor[i] >= n_old]
-        logits = torch.empty(n_old + len(new), self.model.cfg.vocab_size, dtype=self.model.dtype)
-        # the decode rows, and the prompts computed in full
-        rows = self._prompt_rows(n_old, [(i, shared[i]) for i in full], prompts)
-        out = self.model.forward_rows(
-            torch.cat([self._last_token[:n_old], rows[0]]),
-            torch.cat([torch.arange(n_old), rows[1]]),
-            torch.cat([self._position[:n_old], rows[2]]), self.cache,
-            torch.cat([torch.arange(n_old), n_old + rows[3]]))
-        logits[torch.cat([torch.arange(n_old), n_old + torch.tensor(full, dtype=torch.long)])] = out
-        if dependent:
-            for i in dependent:  # the shared prefix's keys and values, from the donor's slot
-                self.cache.move(donor[i], n_old + i, shared[i])
-            rows = self._prompt_rows(n_old, [(i, shared[i]) for i in dependent], prompts)
-            logits[n_old + torch.tensor(dependent)] = self.model.forward_rows(
-                rows[0], rows[1], rows[2], self.cache, rows[3])
+        logits = self._forward_prompts(n_old, prompts, decode=True, cached=cached)
         self._sampling = SamplingBatch.from_params([s.req.sampling for s in self._active],
                                                    self.device)
         tokens, logprobs = sample(logits, self._sampling, self._generator)
@@ -373,13 +348,54 @@ class LocalEngine:
         self._position[n_old:n] = torch.tensor([len(p) for p in prompts])
         self._record(0, tokens, logprobs)
 
+    def _forward_prompts(self, base: int, prompts: list[list[int]], *, decode: bool,
+                         cached: Sequence[list[int]] = ()) -> torch.Tensor:
+        """Keys and values of `prompts` into slots base.. and the logits of their last tokens,
+        with the C forward; with `decode`, the first forward also holds the decode rows of
+        slots 0..base-1 (logits [base + len(prompts), V], else [len(prompts), V]).
+
+        A prompt that shares a prefix of at least MIN_SHARED_PREFIX tokens with one of
+        `cached` (the tokens whose keys and values slots 0.. hold) or with an earlier prompt
+        (a GRPO group's samples share all of it) gets that prefix's keys and values copied
+        from there and computes only the rest; prompts that share with an earlier prompt
+        run in a second, smaller forward. Each row's maths is independent of the others',
+        so the results are bit-identical to computing every prompt in full.
+        """
+        n_dec = base if decode else 0
+        donor, shared = _shared_prefixes(prompts, MIN_SHARED_PREFIX, cached)
+        # donors index cached + prompts; both are laid out from slot 0 (cached) and `base`
+        slot_of = [d if d < len(cached) else base + d - len(cached) for d in donor]
+        for i, d in enumerate(donor):
+            if 0 <= d < len(cached):
+                self.cache.move(slot_of[i], base + i, shared[i])
+        full = [i for i in range(len(prompts)) if donor[i] < len(cached)]
+        dependent = [i for i in range(len(prompts)) if donor[i] >= len(cached)]
+        logits = torch.empty(n_dec + len(prompts), self.model.cfg.vocab_size,
+                             dtype=self.model.dtype)
+        # the decode rows, and the prompts computed past any prefix from the cache
+        rows = self._prompt_rows(base, [(i, shared[i]) for i in full], prompts)
+        dec = torch.arange(n_dec)
+        logits[torch.cat([dec, n_dec + torch.tensor(full, dtype=torch.long)])] = \
+            self.model.forward_rows(
+                torch.cat([self._last_token[:n_dec], rows[0]]), torch.cat([dec, rows[1]]),
+                torch.cat([self._position[:n_dec], rows[2]]), self.cache,
+                torch.cat([dec, n_dec + rows[3]]))
+        if dependent:
+            for i in dependent:  # the shared prefix's keys and values, from the donor's slot
+                self.cache.move(slot_of[i], base + i, shared[i])
+            rows = self._prompt_rows(base, [(i, shared[i]) for i in dependent], prompts)
+            logits[n_dec + torch.tensor(dependent)] = self.model.forward_rows(
+                rows[0], rows[1], rows[2], self.cache, rows[3])
+        return logits
+
     @staticmethod
-    def _prompt_rows(n_old: int, parts: list[tuple[int, int]], prompts: list[list[int]]):
-        """(tokens, slots, positions, last-row indices) of prompts[i][start:] for (i, start)."""
+    def _prompt_rows(base: int, parts: list[tuple[int, int]], prompts: list[list[int]]):
+        """(tokens, slots, positions, last-row indices) of prompts[i][start:] for (i, start),
+        prompt i in slot base + i."""
         tokens, slots, positions, last = [], [], [], []
         for i, start in parts:
             tokens += prompts[i][start:]
-            slots += [n_old + i] * (len(prompts[i]) - start)
+            slots += [base + i] * (len(prompts[i]) - start)
             positions += range(start, len(prompts[i]))
             last.append(len(tokens) - 1)
         long = dict(dtype=torch.long)
