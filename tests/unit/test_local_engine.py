@@ -317,7 +317,7 @@ def test_kv_recompute_after_an_update_shares_a_groups_prompt_bit_for_bit(tiny, t
         rows = []
         forward = engine.model.forward_rows
         engine.model.forward_rows = (
-            lambda tokens, *a, f=forward: rows.append(len(tokens)) or f(tokens, *a))
+            lambda tokens, *a, f=forward, seen=rows: seen.append(len(tokens)) or f(tokens, *a))
         engine.update_weights(tiny_v1, 1)  # recomputes the cache of all 4 under version 1
         recompute = list(rows)
         drain(engine, out, 4)
