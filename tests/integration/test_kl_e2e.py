@@ -32,7 +32,7 @@ def test_kl_to_the_reference_is_zero_before_the_first_update(tmp_path, tiny_mode
     # Step 1 trains on samples of the initial policy, which is the reference. In-reward, the
     # KL reads the inference engine's behaviour log-probs: equal up to float noise.
     assert rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-4)
-    assert rows[1]["train/kl_ref"] >= 0.0  # k3 is non-negative
+    assert rows[1]["train/kl_ref"] >= -1e-6  # k3 is non-negative, up to float32 rounding
     if use_kl_loss:  # the loss reads the updated policy: one lr-1e-3 step moved it (~0.09)
         assert rows[1]["train/kl_ref"] > 1e-3
     assert all(r["train/grad_norm"] > 0 for r in rows)
