@@ -25,7 +25,7 @@ import time
 import torch
 
 from asyncrl.api.types import SamplingParams
-from asyncrl.inference import model as model_module
+from asyncrl.inference import cpu
 from asyncrl.inference.model import Transformer, Weights, hf_shapes, read_checkpoint
 from asyncrl.inference.sampling import SamplingBatch, sample
 from asyncrl.models.hub import resolve_model_path
@@ -35,15 +35,15 @@ def build(path: str, pack: str | None, kernels: bool, huge: bool) -> Transformer
     model = Transformer.from_pretrained(path, max_seq_len=512)
     if not kernels:
         model.kernels = None
-    saved = model_module._madvise
+    saved = cpu._madvise
     if not huge:
-        model_module._madvise = lambda: None
+        cpu._madvise = lambda: None
     try:
         model.w = Weights(model.cfg, read_checkpoint(path, hf_shapes(model.cfg)), torch.bfloat16,
                           pack=pack)
         model.cache = model.new_cache(32, 512)
     finally:
-        model_module._madvise = saved
+        cpu._madvise = saved
     return model
 
 

@@ -4,9 +4,9 @@ Supported `model_type`s: llama, mistral, qwen2 (q/k/v bias), qwen3 (per-head q/k
 Weights are read from the folder's *.safetensors under their HF names. They are stored
 fused (q|k|v in one matrix, gate|up in another) so a layer costs four matmuls instead of
 seven. In bfloat16 on CPU the matrices are prepacked for our own matmul kernels
-(kernels/decode.c, with a whole decode step in one C call) or, without a C compiler, for
-oneDNN. A weight update builds a complete new `Weights` off the decode loop; the engine
-swaps it in between steps.
+(kernels/decode.c, a whole forward in one C call; bindings and layout in cpu.py) or,
+without a C compiler, for oneDNN. A weight update builds a complete new `Weights` off the
+decode loop; the engine swaps it in between steps.
 
 The KV cache is preallocated: [layers, slots, kv_heads, max_seq_len, head_dim]. The engine
 keeps its active sequences in slots 0..n-1 (it moves the last one into a freed slot), so
@@ -15,17 +15,17 @@ decode attends over plain slices of the cache instead of gathering rows every st
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from asyncrl.inference.cpu import DecodeKernels, PackedMatrix, can_pack, huge_empty
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -157,117 +157,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(probs.transpose(-1, -2), v).view(b, h, 1, hd)
 
 
-class DecodeKernels:
-    """ctypes bindings of kernels/decode.c: a whole bf16 CPU decode step, and its parts."""
-
-    def __init__(self, lib):
-        import ctypes
-
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        # The matmul kernels need AVX512-BF16; on other CPUs only the per-op kernels exist.
-        self.has_gemm = hasattr(lib, "forward_rows_bf16")
-        if self.has_gemm:
-            self.gemm = lib.gemm_bf16
-            self.gemm.argtypes = [p, i64, i32, i32, p, i32, p, p, i64, i32]
-            self.gemm_silu = lib.gemm_silu_bf16
-            self.gemm_silu.argtypes = [p, i64, i32, i32, p, i32, p, p, i64, i32]
-            self.forward_rows = lib.forward_rows_bf16
-            self.forward_rows.argtypes = [p, i32, p, p, i32, p, p, p, i64, p, p, i32, p, i32, p,
-                                          p, i32, i32, i32, i32, i32, i32, f32, f32, p, p, i64,
-                                          p, i32]
-            for fn in (self.gemm, self.gemm_silu, self.forward_rows):
-                fn.restype = None
-        self.add_rms_norm = lib.add_rms_norm_bf16
-        self.add_rms_norm.argtypes = [p, p, p, p, i32, i32, f32, p]
-        self.silu_mul = lib.silu_mul_bf16
-        self.silu_mul.argtypes = [p, p, i32, i32]
-        self.rope_attention = lib.rope_attention_bf16
-        self.rope_attention.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, i32,
-                                        f32, f32, p, i32]
-        self.sample_rows = lib.sample_rows_bf16
-        self.sample_rows.argtypes = [p, i32, i32, p, p, p, p, p, i32]
-        for fn in (self.add_rms_norm, self.silu_mul, self.rope_attention, self.sample_rows):
-            fn.restype = None
-
-    @classmethod
-    def load(cls) -> DecodeKernels | None:
-        """The compiled kernels, or None where they cannot be built (the torch path is used)."""
-        from asyncrl.inference import kernels
-
-        lib = kernels.load("decode")
-        return cls(lib) if lib is not None else None
-
-
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether linear weights can be prepacked for oneDNN (bf16 on CPU)."""
-    return (dtype == torch.bfloat16 and device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-_HUGE_PAGE = 2 << 20
-
-
-@functools.cache
-def _madvise():
-    """libc's madvise, or None (not Linux, or no libc found)."""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty on CPU, backed by 2 MB pages where the kernel gives them (madvise).
-
-    The decode step streams every weight and the whole KV cache once per step; with 4 KB
-    pages that is a TLB miss every 4 KB, and 2 MB pages made a step 5-7% faster here.
-    Falls back to plain torch.empty for small tensors or when madvise is refused.
-    """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    madvise = _madvise()
-    if madvise is None or nbytes < _HUGE_PAGE:
-        return torch.empty(shape, dtype=dtype)
-    rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    raw = torch.empty(rounded + _HUGE_PAGE, dtype=torch.uint8)
-    start = -(-raw.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    madvise(start, rounded, 14)  # MADV_HUGEPAGE, before the first touch; refusal is harmless
-    offset = start - raw.data_ptr()
-    return raw[offset:offset + nbytes].view(dtype).view(shape)  # a view keeps `raw` alive
-
-
-@dataclass
-class PackedMatrix:
-    """A bf16 weight [n, k] packed for kernels/decode.c: [n / 16, k / 2, 16, 2].
-
-    With `silu`, the rows are gate | up ([2 i, k]) with their blocks of 16 interleaved, and
-    the product is silu(gate) * up ([., i]) in one pass.
-    """
-
-    data: torch.Tensor
-    n: int
-    k: int
-    silu: bool = False
-
-    @classmethod
-    def pack(cls, w: torch.Tensor, *, silu: bool = False) -> PackedMatrix:
-        n, k = w.shape
-        if silu:  # g0..g15 u0..u15 g16..g31 u16..u31 ...
-            w = torch.stack(w.view(2, n // 32, 16, k).unbind(0), 1).reshape(n, k)
-        return cls(w.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous(), n, k, silu)
-
-    @staticmethod
-    def pack_bias(b: torch.Tensor | None, *, silu: bool = False) -> torch.Tensor | None:
-        if b is None or not silu:
-            return b
-        return torch.stack(b.view(2, -1, 16).unbind(0), 1).reshape(-1).contiguous()
+def packed_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(n, k) of every matrix `Weights` packs: q|k|v, o, gate|up, down per layer; lm_head."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    layer = [((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h), (h, cfg.num_heads * hd),
+             (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    return layer * cfg.num_layers + [(cfg.vocab_size, h)]
 
 
 def fits_kernels(cfg: ModelConfig) -> bool:
@@ -368,10 +263,22 @@ class Weights:
         def get(*names: str) -> torch.Tensor:
             return torch.cat([tensors[n] for n in names]).to(device=device, dtype=dtype)
 
+        # Our packed matrices go into one buffer on 2 MB pages (see `huge_empty`), each at a
+        # 64-byte aligned offset.
+        def aligned(numel: int) -> int:
+            return -(-numel // 32) * 32
+
+        arena, offset = None, 0
+        if pack == "asyncrl":
+            arena = huge_empty((sum(aligned(n * k) for n, k in packed_shapes(cfg)),), dtype)
+
         def matrix(*names: str, silu: bool = False) -> torch.Tensor | PackedMatrix:
+            nonlocal offset
             w = get(*names)
             if pack == "asyncrl":
-                return PackedMatrix.pack(w, silu=silu)
+                out = arena[offset:offset + w.numel()]
+                offset += aligned(w.numel())
+                return PackedMatrix.pack(w, silu=silu, out=out)
             return torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack == "onednn" else w
 
         def optional(*names: str, silu: bool = False) -> torch.Tensor | None:
@@ -405,7 +312,6 @@ class Weights:
         # For the one-call decode step: each layer's 12 pointers, in kernels/decode.c's order.
         self.pointers = None
         if pack == "asyncrl":
-            self._move_to_huge_pages()
             def ptr(t: torch.Tensor | PackedMatrix | None, row: int = 0) -> int:
                 if t is None:
                     return 0
@@ -418,19 +324,6 @@ class Weights:
                  ptr(lw.qk_norm, h) if lw.qk_norm is not None else 0, ptr(lw.wo), ptr(lw.bo),
                  ptr(lw.mlp_norm), ptr(lw.w_gate_up), ptr(lw.b_gate_up), ptr(lw.w_down),
                  ptr(lw.b_down)] for lw in self.layers], dtype=torch.int64)
-
-
-    def _move_to_huge_pages(self) -> None:
-        """Put every packed matrix into one buffer of 2 MB pages (see `huge_empty`)."""
-        packed = [m for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
-        packed.append(self.lm_head)
-        sizes = [-(-m.data.numel() // 32) * 32 for m in packed]  # 64-byte aligned slices
-        arena = huge_empty((sum(sizes),), packed[0].data.dtype)
-        offset = 0
-        for m, size in zip(packed, sizes):
-            view = arena[offset:offset + m.data.numel()].view(m.data.shape)
-            m.data = view.copy_(m.data)
-            offset += size
 
 
 def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.api.types import SamplingParams
+from asyncrl.inference.cpu import DecodeKernels
 
 
 @dataclass
@@ -120,8 +121,6 @@ def sample(logits: torch.Tensor, sb: SamplingBatch,
     """
     if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu"
             and not (sb.any_top_k or sb.any_top_p)):
-        from asyncrl.inference.model import DecodeKernels
-
         kernels = DecodeKernels.load()
         if kernels is not None:
             return _sample_with_kernel(kernels, logits, sb, generator)

@@ -138,7 +138,8 @@ static void scores(const uint16_t *q, const uint16_t *k, int len, int G, int D, 
                                                  (__m512bh)_mm512_loadu_si512(kr + j * 32));
                         acc[i] = a;
                     }
-                    _mm512_storeu_ps(s + g * T + l, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+                    _mm512_storeu_ps(s + g * T + l,
+                                     _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
                 }
             for (; l < len; l++) {
                 const uint16_t *kr = k + (int64_t)l * D;
@@ -449,7 +450,9 @@ static void tile_##MR##_##NZ(const uint16_t *x, int64_t ldx, const uint16_t *p, 
     store_tile(&acc[0][0], MR, NZ, NZ, y, ldy, bias, epi);                                    \
 }
 
-static inline __m512 round_bf16_x16(__m512 v) { return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m512 round_bf16_x16(__m512 v) {
+    return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
+}
 
 static inline void store_tile(const __m512 *acc, int mr, int nz, int stride, uint16_t *y,
                               int64_t ldy, const uint16_t *bias, int epi) {
@@ -458,11 +461,13 @@ static inline void store_tile(const __m512 *acc, int mr, int nz, int stride, uin
                               : _mm512_setzero_ps();
         if (epi == EPI_STORE) {
             for (int r = 0; r < mr; r++)
-                _mm256_storeu_si256((void *)(y + r * ldy + z * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r * stride + z], b)));
-        } else {  /* z even: gate, z + 1: up; output block z / 2 */
-            const __m512 bu = bias ? bf16x16_to_f32(_mm256_loadu_si256((const void *)(bias + z * 16 + 16)))
-                                   : _mm512_setzero_ps();
+                _mm256_storeu_si256(
+                    (void *)(y + r * ldy + z * 16),
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r * stride + z], b)));
+        } else if (z + 1 < nz) {  /* z even: gate, z + 1: up; output block z / 2 */
+            const __m512 bu =
+                bias ? bf16x16_to_f32(_mm256_loadu_si256((const void *)(bias + z * 16 + 16)))
+                     : _mm512_setzero_ps();
             for (int r = 0; r < mr; r++) {
                 float g[16], u[16];
                 _mm512_storeu_ps(g, round_bf16_x16(_mm512_add_ps(acc[r * stride + z], b)));
@@ -482,6 +487,7 @@ static inline void store_tile(const __m512 *acc, int mr, int nz, int stride, uin
 
 TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(5, 4) TILE(6, 4)
 TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2) TILE(5, 2) TILE(6, 2)
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
 
 typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int, uint16_t *, int64_t,
                         const uint16_t *, int, const char *);
@@ -489,6 +495,8 @@ static const tile_fn TILES4[MR_MAX + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile
                                            tile_6_4};
 static const tile_fn TILES2[MR_MAX + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2,
                                            tile_6_2};
+static const tile_fn TILES1[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1,
+                                           tile_6_1};
 
 /* This thread's share of y [M, N or N/2] = epi(x [M, K] W^T + bias), W packed, in pairs of
  * column blocks (N % 32 == 0 for EPI_SILU; a lone last block runs as a pair's first half).
@@ -503,31 +511,20 @@ static void gemm_part(const uint16_t *x, int64_t ldx, int M, int K, const uint16
     share(pairs, tid, nt, &lo, &hi);
     const int out_block = epi == EPI_SILU ? 1 : 2;  /* output blocks per pair */
     for (int c = lo; c < hi;) {
-        const int nblk = (c + 1 < hi && 2 * c + 4 <= N / 16) ? 4 : 2;
+        /* two pairs at once where both are this thread's; a lone last block (odd N / 16,
+         * never for EPI_SILU) as a tile of one */
+        const int left = N / 16 - 2 * c, nblk = c + 1 < hi && left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const tile_fn *tiles = nblk == 4 ? TILES4 : nblk == 2 ? TILES2 : TILES1;
         const int64_t col = (int64_t)c * 32;
-        const int next = c + nblk / 2 < hi
-                             ? (2 * (c + nblk / 2) + 4 <= N / 16 ? 4 : 2) : 0;
+        const int next = c + (nblk + 1) / 2 < hi ? (left - nblk >= 4 ? 4 : 2) : 0;
         const char *pf = (const char *)(p + (col + nblk * 16) * K);
         for (int g = 0, m = 0; g < groups; g++) {
             const int mr = (M - m) / (groups - g);
-            if (nblk == 4 || 2 * c + 2 <= N / 16) {
-                (nblk == 4 ? TILES4 : TILES2)[mr](x + m * ldx, ldx, p + col * K, K,
-                                                  y + m * ldy + (int64_t)c * 16 * out_block, ldy,
-                                                  bias ? bias + col : NULL, epi,
-                                                  g < next ? pf + (int64_t)g * 32 * K : NULL);
-            } else {  /* one last block of 16 columns */
-                for (int r = 0; r < mr; r++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    const uint16_t *xr = x + (m + r) * ldx;
-                    for (int kp = 0; kp < K / 2; kp++)
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(*(const int32_t *)(xr + 2 * kp)),
-                                               (__m512bh)_mm512_loadu_si512(p + col * K + (int64_t)kp * 32));
-                    store_tile(&acc, 1, 1, 1, y + (m + r) * ldy + col, ldy, bias ? bias + col : NULL, EPI_STORE);
-                }
-            }
+            tiles[mr](x + m * ldx, ldx, p + col * K, K, y + m * ldy + (int64_t)c * 16 * out_block,
+                      ldy, bias ? bias + col : NULL, epi, g < next ? pf + (int64_t)g * 32 * K : NULL);
             m += mr;
         }
-        c += nblk / 2;
+        c += (nblk + 1) / 2;
     }
 }
 
