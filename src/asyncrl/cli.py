@@ -73,6 +73,8 @@ def print_summary(summary: dict) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """One inference server with OpenAI /v1 routes, until Ctrl-C or SIGTERM."""
+    if args.admin_key or args.export_dir:
+        return _serve_backend(args)  # the agent proxy in front of a private server
     if args.backend == "local":
         from asyncrl.inference.server import main as server_main
 
@@ -85,10 +87,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_backend(args: argparse.Namespace) -> int:
-    """A vLLM or SGLang server on a private loopback port, behind our OpenAI gateway.
+    """A server on a private loopback port, behind our OpenAI gateway or the agent proxy.
 
     The gateway gives every backend the same /v1 routes and extension fields (token ids,
-    log-probs, weight versions); the backend's own port stays on 127.0.0.1.
+    log-probs, weight versions); the backend's own port stays on 127.0.0.1. With
+    --admin-key the agent proxy takes the gateway's place: sessions, recording, and each
+    finished session written to --export-dir.
     """
     import asyncio
     import importlib.util
@@ -100,8 +104,11 @@ def _serve_backend(args: argparse.Namespace) -> int:
     from asyncrl.scheduler.local import LocalScheduler
     from asyncrl.services import gateway
 
-    module = {"vllm": "vllm", "sglang": "sglang"}[args.backend]
-    if importlib.util.find_spec(module) is None:
+    if args.export_dir and not args.admin_key:
+        raise SystemExit("asyncrl serve: --export-dir records agent sessions, which need "
+                         "--admin-key (the key that starts them)")
+    module = {"vllm": "vllm", "sglang": "sglang"}.get(args.backend)
+    if module and importlib.util.find_spec(module) is None:
         hint = "pip install 'asyncrl[vllm]'" if module == "vllm" else "pip install sglang"
         raise SystemExit(f"asyncrl serve: --backend {args.backend} needs the {module} package "
                          f"({hint})")
@@ -120,9 +127,17 @@ def _serve_backend(args: argparse.Namespace) -> int:
         [url] = scheduler.launch_inference_servers(path, engine_cfg, n_servers=1, seed=0,
                                                    backend=args.backend, device=device)
         print(f"asyncrl: {args.backend} server ready at {url} (private)", flush=True)
-        asyncio.run(gateway.serve(args.backend, url, tokenizer=path, model_name=args.model,
-                                  host=args.host, port=args.port,
-                                  max_model_len=args.max_seq_len))
+        if args.admin_key:
+            from asyncrl.services import agent_proxy
+
+            asyncio.run(agent_proxy.serve(
+                args.backend, url, tokenizer=path, model_name=args.model, host=args.host,
+                port=args.port, admin_key=args.admin_key, export_dir=args.export_dir,
+                session_timeout=args.session_timeout, max_model_len=args.max_seq_len))
+        else:
+            asyncio.run(gateway.serve(args.backend, url, tokenizer=path, model_name=args.model,
+                                      host=args.host, port=args.port,
+                                      max_model_len=args.max_seq_len))
     return 0
 
 
@@ -155,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=2048, help="prompt + completion tokens")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for a vllm/sglang server to become healthy")
+    p.add_argument("--admin-key", default=None,
+                   help="serve the agent proxy (sessions, token-exact recording); this key "
+                   "starts sessions (POST /rl/start_session)")
+    p.add_argument("--export-dir", default=None,
+                   help="with --admin-key: write each finished session here as JSONL")
+    p.add_argument("--session-timeout", type=float, default=600.0,
+                   help="with --admin-key: seconds before an idle session ends as timed_out")
     p.set_defaults(func=_serve)
     return parser
 

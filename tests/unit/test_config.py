@@ -91,11 +91,32 @@ def test_missing_dataset_path_is_explained(tmp_path):
 @pytest.mark.parametrize("path", sorted(
     list((REPO / "examples").rglob("*.yaml")) + list((REPO / "src/asyncrl/recipes").glob("*.yaml"))),
     ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
+def test_every_shipped_config_loads(path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_ADMIN_KEY", "admin-key-for-the-test")  # online examples
     # examples/<trainer>/ for the offline trainers (sft, dpo, rm); RL configs elsewhere.
     schema = TRAINER_SCHEMAS.get(path.parent.name, ExperimentConfig)
     cfg = load_config(path, schema=schema)
-    assert cfg.train_dataset.path
+    assert cfg.train_dataset.path or cfg.online
+
+
+def test_an_online_config_needs_its_admin_key_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ASYNCRL_ADMIN_KEY", raising=False)
+    with pytest.raises(ConfigError, match="ASYNCRL_ADMIN_KEY"):
+        load_config(REPO / "examples/agents/online/online_cpu.yaml")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["workflow.type=agent"], "agent.mode=inline needs agent.fn"),
+    (["workflow.type=agent", "agent.mode=subprocess"], "needs agent.command"),
+    (["workflow.type=agent", "agent.mode=online"], "needs agent.admin_key"),
+    (["workflow.type=agent", "agent.mode=online", "agent.admin_key=kkk"],
+     "set total_train_steps"),
+    (["workflow.type=agent", "agent.fn=a:b", "agent.turn_discount=0"], "agent.turn_discount"),
+    (["rollout.max_session_version_lag=-1"], "max_session_version_lag must be >= 0"),
+])
+def test_agent_config_errors_say_what_to_set(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["train_dataset.path=x", *overrides])
 
 
 def test_several_nodes_with_the_local_scheduler_is_explained(base_yaml):

@@ -295,3 +295,49 @@ def test_a_filter_that_raises_counts_as_a_failed_episode():
             ctrl.next_batch(timeout=30)
     finally:
         ctrl.stop()
+
+
+def test_external_episodes_follow_the_staleness_bound_and_start_at_the_current_version():
+    """Online sessions: started from outside, refused beyond (eta + v + 1) * B."""
+    ctrl = RolloutController(FakeEngine(), SleepyWorkflow(), None, consumer_batch_size=2,
+                             max_head_offpolicyness=0, max_concurrent_rollouts=8)
+    ctrl.start()
+    finish = {}
+
+    def make(version):
+        done = asyncio.get_running_loop().create_future()
+        handle = f"s{len(finish)}@v{version}"
+        finish[handle] = done
+
+        async def run():
+            return await done
+        return handle, run
+
+    async def try_start():
+        return ctrl.start_external(make)
+
+    def traj(handle):
+        return [Trajectory(input_ids=[1, 2], loss_mask=[0, 1], behavior_logprobs=[0, -1],
+                           versions=[-1, 0], reward=1.0, group_id=handle)]
+
+    try:
+        started = [ctrl.run_coroutine(try_start(), timeout=5) for _ in range(3)]
+        assert started == ["s0@v0", "s1@v0", None]  # (0 + 0 + 1) * 2 = 2 at version 0
+        for h in started[:2]:
+            ctrl.run_coroutine(_resolve(finish[h], traj(h)), timeout=5)
+        batch, stats = ctrl.next_batch(timeout=5)
+        assert sorted(t.group_id for t in batch) == ["s0@v0", "s1@v0"]
+        assert ctrl.run_coroutine(try_start(), timeout=5) is None  # still version 0
+        ctrl.set_version(1)
+        assert ctrl.run_coroutine(try_start(), timeout=5) == "s2@v1"
+        # A rejected (None) external episode frees its slot.
+        ctrl.run_coroutine(_resolve(finish["s2@v1"], None), timeout=5)
+        assert ctrl.run_coroutine(try_start(), timeout=5) == "s3@v1"
+        assert "pending" in ctrl.state_dict() and ctrl.state_dict()["pending"] == []
+    finally:
+        ctrl.stop()
+
+
+async def _resolve(future, value):
+    future.set_result(value)
+    await asyncio.sleep(0.05)  # let the episode finish on the loop

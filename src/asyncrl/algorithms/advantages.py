@@ -56,9 +56,15 @@ def _grouped(x: torch.Tensor, level: str, group_size: int | None) -> torch.Tenso
     return x.reshape(rows // size, size, *x.shape[1:])
 
 
-def _group_sums(x: torch.Tensor, mask: torch.Tensor, level: str,
-                group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked sum and count of `x` over each group, both broadcast back to `x`'s shape."""
+def _group_sums(x: torch.Tensor, mask: torch.Tensor, level: str, group_size: int | None,
+                groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked sum and count of `x` over each group, both broadcast back to `x`'s shape.
+
+    `groups` [B] (row -> group number) allows groups of different sizes (an agent session
+    may give several trajectories); without it rows form groups of `group_size`.
+    """
+    if level == "group" and groups is not None:
+        return _indexed_sums(x * mask, groups), _indexed_sums(mask, groups)
     xs, ms = _grouped(x * mask, level, group_size), _grouped(mask, level, group_size)
     dims = tuple(range(1, xs.dim()))
     total = xs.sum(dims, keepdim=True).expand_as(xs).reshape(x.shape)
@@ -66,15 +72,22 @@ def _group_sums(x: torch.Tensor, mask: torch.Tensor, level: str,
     return total, count
 
 
+def _indexed_sums(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Each row's group total of `x` (summed over rows and columns), in `x`'s shape."""
+    rows = x.reshape(x.shape[0], -1).sum(-1)
+    totals = torch.zeros(int(groups.max()) + 1, dtype=x.dtype).index_add_(0, groups, rows)
+    return totals[groups].reshape(-1, *[1] * (x.dim() - 1)).expand_as(x)
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor, level: str,
                  group_size: int | None, *, leave1out: bool = False,
-                 unbiased: bool = False) -> torch.Tensor:
+                 unbiased: bool = False, groups: torch.Tensor | None = None) -> torch.Tensor:
     """The mean of `x` over the masked entries of each group, broadcast back to `x`'s shape.
 
     `leave1out`: each entry's mean excludes itself, (sum - x_i) / (n - 1) (RLOO's baseline).
     `unbiased`: divide by n - 1 instead of n (for a variance of centred values).
     """
-    total, count = _group_sums(x, mask, level, group_size)
+    total, count = _group_sums(x, mask, level, group_size, groups)
     if leave1out:
         if bool(((count < 2) & (mask > 0)).any()):
             raise ValueError("mean_leave1out needs at least 2 samples per group (a sample's "
@@ -89,13 +102,14 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor, level: str,
 def normalize(values: torch.Tensor, *, mean_level: str = "group", std_level: str = "group",
               group_size: int | None = None, eps: float = 1e-5,
               mask: torch.Tensor | None = None, mean_leave1out: bool = False,
-              std_unbiased: bool = False) -> torch.Tensor:
+              std_unbiased: bool = False, groups: torch.Tensor | None = None) -> torch.Tensor:
     """(values - mean) / (std + eps), each statistic over the batch, each group, or skipped.
 
     `values` is [B] or [B, T]; with `mask` only its non-zero entries count, and the result
     is 0 off the mask. A level of "none" skips that step (no subtraction / no division).
     `mean_leave1out`: each entry's mean leaves that entry out (RLOO). `std_unbiased`: the
-    variance divides by n - 1 rather than n.
+    variance divides by n - 1 rather than n. `groups` [B]: each row's group number, for
+    groups of different sizes (then `group_size` is not used).
     """
     for name, level in (("mean_level", mean_level), ("std_level", std_level)):
         if level not in LEVELS:
@@ -103,24 +117,28 @@ def normalize(values: torch.Tensor, *, mean_level: str = "group", std_level: str
     mask = torch.ones_like(values) if mask is None else mask.to(values.dtype)
     out = values
     if mean_level != "none":
-        out = values - _masked_mean(values, mask, mean_level, group_size, leave1out=mean_leave1out)
+        out = values - _masked_mean(values, mask, mean_level, group_size,
+                                    leave1out=mean_leave1out, groups=groups)
     if std_level != "none":
         # The spread is measured around the std level's own (full) mean, whatever mean_level
         # is and whether or not the mean leaves one out, as in AReaL.
-        centred = values - _masked_mean(values, mask, std_level, group_size)
-        var = _masked_mean(centred.square(), mask, std_level, group_size, unbiased=std_unbiased)
+        centred = values - _masked_mean(values, mask, std_level, group_size, groups=groups)
+        var = _masked_mean(centred.square(), mask, std_level, group_size, unbiased=std_unbiased,
+                           groups=groups)
         out = out / (var.sqrt() + eps)
     return out * mask
 
 
 def _normalize_with(values: torch.Tensor, norm: NormConfig, name: str,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+                    mask: torch.Tensor | None = None,
+                    groups: torch.Tensor | None = None) -> torch.Tensor:
     if norm.group_size is None and "group" in (norm.mean_level, norm.std_level):
         raise ValueError(f"actor.{name}.group_size is unset; set it to gconfig.n_samples "
                          "(ExperimentConfig fills it in when loaded)")
     return normalize(values, mean_level=norm.mean_level, std_level=norm.std_level,
                      group_size=norm.group_size, eps=norm.eps, mask=mask,
-                     mean_leave1out=norm.mean_leave1out, std_unbiased=norm.std_unbiased)
+                     mean_leave1out=norm.mean_leave1out, std_unbiased=norm.std_unbiased,
+                     groups=groups)
 
 
 def _overlong_penalty_of(lengths: torch.Tensor, cfg: ActorConfig) -> torch.Tensor:
@@ -153,7 +171,8 @@ def sequence_rewards(batch: TensorBatch, cfg: ActorConfig) -> torch.Tensor:
     rewards = shape_rewards(rewards, scaling=cfg.reward_scaling, bias=cfg.reward_bias,
                             clip=cfg.reward_clip)
     if cfg.reward_norm is not None:
-        rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm")
+        rewards = _normalize_with(rewards, cfg.reward_norm, "reward_norm",
+                                  groups=batch.group_index)
     return rewards
 
 
@@ -211,7 +230,8 @@ def compute_advantages_and_returns(batch: TensorBatch,
     else:
         advantages, returns = _reward_advantages(batch, cfg, mask)
     if cfg.adv_norm is not None:
-        advantages = _normalize_with(advantages, cfg.adv_norm, "adv_norm", mask=mask)
+        advantages = _normalize_with(advantages, cfg.adv_norm, "adv_norm", mask=mask,
+                                     groups=batch.group_index)
     return advantages, returns
 
 

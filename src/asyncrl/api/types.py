@@ -189,6 +189,10 @@ class TensorBatch:
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None  # [B, T] float32, the distillation teacher's
+    # [B] long: each row's group (rows of one group_id, numbered in order). Set by
+    # `Batch.to_tensors`, so groups may differ in size (agent sessions); None: rows form
+    # groups of the configured group_size.
+    group_index: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -251,4 +255,15 @@ class Batch:
             behavior_logprobs=pad([t.behavior_logprobs for t in trajs], 0.0, torch.float32),
             versions=pad([t.versions for t in trajs], -1, torch.long),
             rewards=self.rewards,
+            group_index=group_numbers(self.group_ids),
         )
+
+
+def group_numbers(group_ids: list[str]) -> torch.Tensor:
+    """Row -> group number; a group is a run of equal ids (a batch holds each group once)."""
+    numbers, previous, n = [], None, -1
+    for gid in group_ids:
+        if gid != previous:
+            n, previous = n + 1, gid
+        numbers.append(n)
+    return torch.tensor(numbers, dtype=torch.long)

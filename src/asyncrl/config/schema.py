@@ -120,8 +120,15 @@ class RolloutConfig:
     # With dynamic_sampling: "package.module:function" taking an episode's trajectories and
     # returning True to keep it. null: the built-in filter (drop groups of equal rewards).
     dynamic_filter_fn: Optional[str] = None
+    # Agent sessions: one that started more than this many weight versions before the
+    # served ones ends (status version_lag, its requests get 409, it is not trained).
+    # null: off (the staleness bound still applies to whole episodes).
+    max_session_version_lag: Optional[int] = None
 
     def __post_init__(self) -> None:
+        _check(self.max_session_version_lag is None or self.max_session_version_lag >= 0,
+               "rollout.max_session_version_lag must be >= 0 or null, got "
+               f"{self.max_session_version_lag}")
         _check(self.max_head_offpolicyness >= 0,
                f"rollout.max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}")
         _check(self.consumer_batch_size >= 1,
@@ -162,7 +169,10 @@ class DatasetConfig:
 
 @dataclass(kw_only=True)
 class WorkflowConfig:
-    type: Literal["rlvr"] = "rlvr"
+    # rlvr: one prompt, n sampled answers, a verifiable reward (workflow.reward_fn).
+    # agent: n sessions of an agent through the agent proxy (the `agent:` section); the
+    # agent returns the reward, reward_fn is not used.
+    type: Literal["rlvr", "agent"] = "rlvr"
     # "gsm8k" (math-verify on "#### N" or \boxed{}), "reasoning_gym" (the task's own scorer),
     # "reward_model" (a model trained by `asyncrl rm`, at reward_model_path), or
     # "package.module:function" taking (completion, item) -> float.
@@ -181,6 +191,54 @@ class WorkflowConfig:
                "written by `asyncrl rm`)" if uses_model else
                f"workflow.reward_model_path is set but workflow.reward_fn={self.reward_fn!r}; "
                "set reward_fn=reward_model or drop reward_model_path")
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """Agents trained through the agent proxy (workflow.type=agent); see docs/agents.md."""
+
+    # inline: `fn` is called in the rollout loop; subprocess: `command` runs per session;
+    # online: outside clients start sessions themselves (POST /rl/start_session).
+    mode: Literal["inline", "subprocess", "online"] = "inline"
+    # inline: "package.module:function" or "path/to/file.py:function", an async function
+    # (base_url, api_key, item) -> reward (None: the agent set it via /rl/set_reward).
+    fn: Optional[str] = None
+    # subprocess: the command (gets OPENAI_BASE_URL, OPENAI_API_KEY, ASYNCRL_TASK_FILE...).
+    command: list[str] = field(default_factory=list)
+    timeout: float = 600.0  # seconds per session (inline / subprocess)
+    # tree: a conversation's turns merged into one trajectory per leaf (exact token
+    # prefixes only); individual: one trajectory per completion.
+    export_style: Literal["tree", "individual"] = "tree"
+    turn_discount: float = 1.0  # G_i = r_i + turn_discount * G_{i+1} over the completions
+    session_timeout: float = 300.0  # an idle session ends as timed_out (never trained)
+    # The proxy's address. 127.0.0.1 unless told otherwise; port 0 picks a free one.
+    host: str = "127.0.0.1"
+    port: int = 0
+    # The bearer key of /rl/start_session; online needs one (e.g. ${oc.env:ASYNCRL_ADMIN_KEY}).
+    admin_key: Optional[str] = None
+    # online: subtract each task's running mean reward (a session is its own group).
+    baseline: bool = True
+    # Also write every finished session as JSONL (sessions.jsonl, trajectories.jsonl) here.
+    export_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check(self.timeout > 0, f"agent.timeout must be > 0, got {self.timeout}")
+        _check(self.session_timeout > 0,
+               f"agent.session_timeout must be > 0, got {self.session_timeout}")
+        _check(0 < self.turn_discount <= 1,
+               f"agent.turn_discount must be in (0, 1], got {self.turn_discount}")
+        _check(0 <= self.port < 65536, f"agent.port must be in [0, 65535], got {self.port}")
+
+    def check_mode(self) -> None:
+        """What the chosen mode needs (checked only when workflow.type=agent)."""
+        _check(self.mode != "inline" or bool(self.fn),
+               "agent.mode=inline needs agent.fn ('package.module:function' or "
+               "'path/to/file.py:function')")
+        _check(self.mode != "subprocess" or bool(self.command),
+               "agent.mode=subprocess needs agent.command (a list: program and arguments)")
+        _check(self.mode != "online" or bool(self.admin_key),
+               "agent.mode=online needs agent.admin_key: the key outside clients use to start "
+               "sessions")
 
 
 @dataclass(kw_only=True)
@@ -243,6 +301,7 @@ class ExperimentConfig:
     critic: Optional[CriticConfig] = None  # PPO with a value model; `critic: {}` for defaults
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # actor.distill_coef > 0
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # workflow.type=agent only
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: Optional[DatasetConfig] = None
     saver: SaverConfig = field(default_factory=SaverConfig)
@@ -258,8 +317,10 @@ class ExperimentConfig:
                f"cluster.n_nodes={self.cluster.n_nodes} but scheduler.type=local runs on one "
                "machine; set cluster.n_nodes=1")
         self._resolve_allocation()
-        _check(bool(self.train_dataset.path), "train_dataset.path is empty: give a JSONL file or "
-               "folder, an HF dataset id, or reasoning_gym:<task>")
+        _check(bool(self.train_dataset.path) or self.online,
+               "train_dataset.path is empty: give a JSONL file or folder, an HF dataset id, "
+               "reasoning_gym:<task> or python:<module>:<function>")
+        self._check_agent()
         for name, norm in (("reward_norm", self.actor.reward_norm), ("adv_norm", self.actor.adv_norm)):
             if norm is None:
                 continue
@@ -278,6 +339,26 @@ class ExperimentConfig:
         if self.critic is not None and self.critic.ppo_n_minibatches is None:
             self.critic.ppo_n_minibatches = self.actor.ppo_n_minibatches
         self._check_distillation()
+
+    @property
+    def online(self) -> bool:
+        """Episodes come from outside clients (agent.mode=online), not from a dataset."""
+        return self.workflow.type == "agent" and self.agent.mode == "online"
+
+    def _check_agent(self) -> None:
+        if self.workflow.type != "agent":
+            return
+        self.agent.check_mode()
+        _check(self.valid_dataset is None or not self.online,
+               "agent.mode=online takes its episodes from outside clients and has no held-out "
+               "set to evaluate; drop valid_dataset")
+        _check(not self.online or self.total_train_steps is not None,
+               "agent.mode=online has no dataset epochs; set total_train_steps")
+        _check(not self.online or self.actor.reward_norm is None
+               or self.actor.reward_norm.mean_level != "group",
+               "agent.mode=online: each session is its own group, so actor.reward_norm."
+               "mean_level=group makes every advantage 0; use agent.baseline with "
+               "reward_norm.mean_level none or batch")
 
     def _check_distillation(self) -> None:
         """A teacher exactly when distilling; no reward fn only where no reward is used."""

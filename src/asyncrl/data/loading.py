@@ -20,6 +20,7 @@ from typing import Any
 from asyncrl.config.schema import DatasetConfig
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
+PYTHON_PREFIX = "python:"  # python:package.module:function generates the items
 # File names that say which split a file is, not which dataset: the task is then named
 # after the folder ("gsm8k/test.jsonl" is task "gsm8k").
 _SPLIT_NAMES = {"train", "test", "valid", "validation", "dev", "eval"}
@@ -42,6 +43,9 @@ def load_dataset(cfg: DatasetConfig) -> list[dict[str, Any]]:
     if path.startswith(REASONING_GYM_PREFIX):
         return load_reasoning_gym(path[len(REASONING_GYM_PREFIX):], size=cfg.size or 1000,
                                   seed=cfg.seed, **cfg.task_kwargs)
+    if path.startswith(PYTHON_PREFIX):
+        return load_generated(path[len(PYTHON_PREFIX):], size=cfg.size or 1000, seed=cfg.seed,
+                              **cfg.task_kwargs)
     local = Path(path).expanduser()
     if local.is_file():
         return load_jsonl(local, limit=cfg.size)
@@ -62,6 +66,28 @@ def held_out(items: list[dict[str, Any]], train_items: list[dict[str, Any]]) -> 
     if not kept:
         raise ValueError(f"all {len(items)} held-out items also appear in the training set")
     return kept
+
+
+def load_generated(spec: str, *, size: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Items from a generator function `spec` ("package.module:function"), called with
+    (size=, seed=, **task_kwargs); each item needs a unique "id" and a "question"."""
+    import importlib
+
+    module_name, _, fn_name = spec.rpartition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise DatasetError(f"dataset python:{spec}: cannot import it ({e}); give "
+                           "python:package.module:function") from None
+    items = fn(size=size, seed=seed, **kwargs)
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str) \
+                or not isinstance(item.get("question"), str):
+            raise DatasetError(f"dataset python:{spec}: item {i} is not a dict with a string "
+                               "'id' and 'question'")
+    if len({item["id"] for item in items}) != len(items):
+        raise DatasetError(f"dataset python:{spec}: item ids are not unique")
+    return list(items)
 
 
 # -- JSONL ------------------------------------------------------------------------------

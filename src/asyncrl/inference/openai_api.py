@@ -64,15 +64,15 @@ class StreamedToken(NamedTuple):
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Method = Callable[[Any, web.Request], Awaitable[web.StreamResponse]]
+Method = Callable[..., Awaitable[web.StreamResponse]]
 
 
 def _answers_errors(method: Method) -> Method:
     """Turn OpenAIError and engine failures into OpenAI-shaped error responses."""
     @functools.wraps(method)
-    async def wrapped(self: Any, request: web.Request) -> web.StreamResponse:
+    async def wrapped(self: Any, request: web.Request, *args: Any) -> web.StreamResponse:
         try:
-            return await method(self, request)
+            return await method(self, request, *args)
         except OpenAIError as e:
             return web.json_response(e.body(), status=e.status)
         except InferenceError as e:  # a backend server failed or answered an error
@@ -131,17 +131,32 @@ class OpenAIRoutes:
                 "owned_by": "asyncrl", "max_model_len": self.max_model_len}
         return web.json_response({"object": "list", "data": [card]})
 
-    @_answers_errors
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        job = parse_completion(await _json(request), self.tokenizer, self.model_name,
+        return await self.answer_completion(request, await _json_or_none(request))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.answer_chat(request, await _json_or_none(request))
+
+    @_answers_errors
+    async def answer_completion(self, request: web.Request, body: Any) -> web.StreamResponse:
+        """Answer a /v1/completions `body` (already read from `request`)."""
+        job = parse_completion(_checked_body(body), self.tokenizer, self.model_name,
                                self.max_model_len)
         return await self._answer(request, job, chat=False)
 
     @_answers_errors
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        job = parse_chat(await _json(request), self.tokenizer, self.model_name,
+    async def answer_chat(self, request: web.Request, body: Any) -> web.StreamResponse:
+        """Answer a /v1/chat/completions `body` (already read from `request`)."""
+        job = parse_chat(_checked_body(body), self.tokenizer, self.model_name,
                          self.max_model_len, self.native_tools)
         return await self._answer(request, job, chat=True)
+
+    async def chat_json(self, body: dict) -> dict:
+        """The chat.completion object for a non-streamed chat `body` (OpenAIError if bad)."""
+        job = parse_chat(body, self.tokenizer, self.model_name, self.max_model_len,
+                         self.native_tools)
+        job.stream = False
+        return await self._answer_json(job, chat=True)
 
     # ---- answering ----------------------------------------------------------------------
 
@@ -151,19 +166,26 @@ class OpenAIRoutes:
                 for p in job.prompts for _ in range(job.n)]
 
     async def _answer(self, request: web.Request, job: Job, *, chat: bool) -> web.StreamResponse:
-        envelope = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()), "model": self.model_name}
+        envelope = self._envelope(chat)
         if job.stream:
             return await self._stream(request, job, envelope, chat=chat)
+        return web.json_response(await self._answer_json(job, chat=chat, envelope=envelope))
+
+    async def _answer_json(self, job: Job, *, chat: bool, envelope: dict | None = None) -> dict:
+        envelope = envelope or self._envelope(chat)
         try:
             resps = await asyncio.gather(*(self.engine.agenerate(r) for r in self._requests(job)))
         except ValueError as e:  # the engine refused the prompt (length, vocabulary)
             raise OpenAIError(str(e), param="messages" if chat else "prompt") from None
         build = self._chat_choice if chat else self._completion_choice
         choices = [build(i, r, job) for i, r in enumerate(resps)]
-        return web.json_response({**envelope, "choices": choices,
-                                  "system_fingerprint": None, "usage": _usage(job, resps)})
+        return {**envelope, "choices": choices, "system_fingerprint": None,
+                "usage": _usage(job, resps)}
+
+    def _envelope(self, chat: bool) -> dict:
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
 
     def _completion_choice(self, index: int, resp: GenerationResponse, job: Job) -> dict:
         text, offsets = detokenize(self.tokenizer, resp.output_ids, job.stop)
@@ -292,11 +314,21 @@ class OpenAIRoutes:
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
 
 
-async def _json(request: web.Request) -> Any:
+_NOT_JSON = object()
+
+
+async def _json_or_none(request: web.Request) -> Any:
+    """The JSON body, or a marker that `_checked_body` turns into a 400."""
     try:
         return await request.json()
-    except json.JSONDecodeError as e:
-        raise OpenAIError(f"the body is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _NOT_JSON
+
+
+def _checked_body(body: Any) -> Any:
+    if body is _NOT_JSON:
+        raise OpenAIError("the body is not valid JSON")
+    return body
 
 
 async def _send(resp: web.StreamResponse, obj: dict) -> None:

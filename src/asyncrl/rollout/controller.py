@@ -27,14 +27,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from asyncrl.api import Batch, InferenceEngine, InferenceError, Trajectory, Workflow
 from asyncrl.rollout.staleness import StalenessManager
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Warn after this many batches' worth of groups were dropped in a row (and again each time).
 DROP_WARN_GROUPS_PER_BATCH = 10
@@ -56,6 +57,9 @@ class _Running:
     item: dict[str, Any]
     start_version: int
     task: asyncio.Task | None = None
+    # An episode started from outside (an online agent session): what it awaits instead of
+    # `workflow.run`. It cannot be re-run after a resume, so it is not saved as pending.
+    external: Callable[[], Awaitable[list[Trajectory] | None]] | None = None
 
 
 class RolloutController:
@@ -67,7 +71,9 @@ class RolloutController:
                  should_accept: Callable[[list[Trajectory]], bool] | None = None) -> None:
         self.engine = engine
         self.workflow = workflow
-        self.stream = stream  # an ItemStream: next(), state_dict(), load_state_dict()
+        # An ItemStream: next(), state_dict(), load_state_dict(). None: episodes start only
+        # from outside (`start_external`, online agent sessions).
+        self.stream = stream
         self.eta = max_head_offpolicyness
         self.batch_size = consumer_batch_size
         self.max_failed_episodes = max_failed_episodes
@@ -128,6 +134,11 @@ class RolloutController:
     def version(self) -> int:
         return self._version
 
+    @property
+    def running(self) -> bool:
+        """Whether the rollout thread is up (its loop accepts `run_coroutine`)."""
+        return self._thread is not None and self._loop is not None and not self._loop.is_closed()
+
     def pause(self) -> None:
         """Submit no new episodes (running ones continue)."""
         with self._cond:
@@ -186,7 +197,8 @@ class RolloutController:
         n_out = [t.n_output_tokens for t in trajs]
         mixed = [len(set(t.output_versions)) > 1 for t in trajs]
         return {
-            "rollout/reward": sum(t.reward for t in trajs) / len(trajs),
+            # Online sessions train on reward - baseline; report what they earned.
+            "rollout/reward": sum(t.meta.get("raw_reward", t.reward) for t in trajs) / len(trajs),
             "rollout/staleness_mean": sum(staleness) / len(staleness),
             "rollout/staleness_max": float(max(staleness)),
             "rollout/output_tokens_mean": sum(n_out) / len(n_out),
@@ -206,8 +218,9 @@ class RolloutController:
             return {
                 "version": self._version,
                 "staleness": self.staleness.state_dict(),
-                "stream": self.stream.state_dict(),
-                "pending": list(self._pending) + [r.item for _, r in sorted(self._running.items())],
+                "stream": self.stream.state_dict() if self.stream is not None else None,
+                "pending": list(self._pending) + [r.item for _, r in sorted(self._running.items())
+                                                  if r.external is None],
                 "buffer": list(self._buffer),
                 "next_seq": self._next_seq,
                 "counts": dict(self._counts),
@@ -219,7 +232,8 @@ class RolloutController:
             raise RuntimeError("load the rollout state before start()")
         self._version = state["version"]
         self.staleness.load_state_dict(state["staleness"])
-        self.stream.load_state_dict(state["stream"])
+        if self.stream is not None:
+            self.stream.load_state_dict(state["stream"])
         self._pending = deque(state["pending"])
         self._buffer = list(state["buffer"])
         self._next_seq = state["next_seq"]
@@ -265,6 +279,7 @@ class RolloutController:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await _finish_stray_tasks()
             await self.engine.close()
 
     def _submit_allowed(self) -> None:
@@ -272,17 +287,41 @@ class RolloutController:
         if self._paused or self._crash is not None:
             return
         for _ in range(self.staleness.capacity(self._version)):
+            if not self._pending and self.stream is None:
+                return  # online: episodes start from outside (start_external)
             item = self._pending.popleft() if self._pending else self.stream.next()
-            seq, self._next_seq = self._next_seq, self._next_seq + 1
-            running = _Running(item=item, start_version=self._version)
-            self._running[seq] = running
-            self.staleness.on_submit()
-            running.task = asyncio.get_running_loop().create_task(self._run_episode(seq, running))
+            self._launch(_Running(item=item, start_version=self._version))
+
+    def _launch(self, running: _Running) -> None:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self._running[seq] = running
+        self.staleness.on_submit()
+        running.task = asyncio.get_running_loop().create_task(self._run_episode(seq, running))
+
+    def start_external(self, make: Callable[[int], tuple[T, Callable[[], Awaitable[
+            list[Trajectory] | None]]]]) -> T | None:
+        """Start an episode from outside if the staleness bound allows it now, else None.
+
+        `make(version)` builds it at the current version and returns (handle, run): `run()`
+        awaits its trajectories (None or [] rejects it). Call this on the rollout loop (the
+        agent proxy of online training runs there). It counts like any other episode.
+        """
+        with self._cond:
+            if self._paused or self._stopping or self._crash is not None \
+                    or self.staleness.capacity(self._version) < 1:
+                return None
+            handle, run = make(self._version)
+            item = {"id": getattr(handle, "id", f"external-{self._next_seq}")}
+            self._launch(_Running(item=item, start_version=self._version, external=run))
+            return handle
 
     async def _run_episode(self, seq: int, running: _Running) -> None:
         t0 = time.monotonic()
         try:
-            trajectories = await self.workflow.run(self.engine, running.item)
+            if running.external is not None:
+                trajectories = await running.external()
+            else:
+                trajectories = await self.workflow.run(self.engine, running.item)
             keep = bool(trajectories) and (self.should_accept is None
                                            or bool(self.should_accept(trajectories)))
         except asyncio.CancelledError:
@@ -332,7 +371,7 @@ class RolloutController:
         logger.error("episode failed: %s", message)
         with self._cond:
             del self._running[seq]
-            if fatal:  # the item is not at fault: run it again after a resume
+            if fatal and running.external is None:  # not the item's fault: run it again later
                 self._pending.append(running.item)
             self.staleness.on_reject()
             self._counts["episodes_failed"] += 1
@@ -341,3 +380,13 @@ class RolloutController:
                 self._crash = err
             self._cond.notify_all()
         self._wake.set()
+
+
+async def _finish_stray_tasks(timeout: float = 10.0) -> None:
+    """Cancel and await what episodes left running on the loop (an agent's own tasks, a
+    subprocess being reaped), so the loop closes with nothing pending."""
+    stray = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in stray:
+        t.cancel()
+    if stray:
+        await asyncio.wait(stray, timeout=timeout)

@@ -29,6 +29,7 @@ from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_cur
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler import LocalScheduler
 from asyncrl.trainers import recover
+from asyncrl.trainers.agents import AgentRuntime
 from asyncrl.trainers.critic import Critic
 from asyncrl.trainers.paths import RunPaths, setup_logging
 from asyncrl.trainers.periodic import Periodic
@@ -85,11 +86,16 @@ class RLTrainer:
             request_retries=cfg.rollout.request_retries,
             update_weights_timeout=cfg.rollout.update_weights_timeout,
             health_check_interval=cfg.rollout.health_check_interval)
-        self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
-        train_items = filter_by_length(load_dataset(cfg.train_dataset), self.workflow.prompt_ids,
-                                       cfg.train_dataset.max_length)
+        self.agents = None  # workflow.type=agent: the proxy and the agent
+        if cfg.workflow.type == "agent":
+            self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,
+                                       version=lambda: self.rollout.version)
+            self.workflow = self.agents.workflow
+        else:
+            self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
+        train_items, stream = self._train_items()
         B = cfg.rollout.consumer_batch_size
-        steps_per_epoch = len(train_items) // B
+        steps_per_epoch = len(train_items) // B if stream is not None else cfg.total_train_steps
         if steps_per_epoch == 0:
             raise ValueError(f"train_dataset has {len(train_items)} items, fewer than one batch "
                              f"(rollout.consumer_batch_size={B})")
@@ -97,13 +103,14 @@ class RLTrainer:
         self.total_steps = min(cfg.total_train_epochs * steps_per_epoch,
                                cfg.total_train_steps or 10**12)
         self.rollout = RolloutController(
-            self.engine, self.workflow, ItemStream(train_items, shuffle=cfg.train_dataset.shuffle,
-                                                   seed=cfg.seed),
+            self.engine, self.workflow, stream,
             consumer_batch_size=B, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
             max_concurrent_rollouts=cfg.rollout.concurrency,
             max_failed_episodes=cfg.rollout.max_failed_episodes,
             should_accept=make_episode_filter(cfg.rollout.dynamic_sampling,
                                               cfg.rollout.dynamic_filter_fn))
+        if self.agents is not None:
+            self.agents.attach(self.rollout)
         self.valid_items = (held_out(load_dataset(cfg.valid_dataset), train_items)
                             if cfg.valid_dataset else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
@@ -132,10 +139,25 @@ class RLTrainer:
         self.evaluator = Periodic(cfg.evaluator, steps_per_epoch)
         self.summary: dict[str, Any] = {"run_dir": str(paths.root)}
 
+    def _train_items(self) -> tuple[list[dict[str, Any]], ItemStream | None]:
+        """The training items and their stream (none in online mode: clients bring them)."""
+        cfg = self.cfg
+        if cfg.online:
+            return [], None
+        items = load_dataset(cfg.train_dataset)
+        if cfg.workflow.type == "rlvr":  # agents build their own prompts
+            items = filter_by_length(items, self.workflow.prompt_ids, cfg.train_dataset.max_length)
+        return items, ItemStream(items, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed)
+
     def train(self) -> dict[str, Any]:
         """The loop: batch -> proximal log-probs -> advantages -> step -> publish -> log."""
         step = self._restore()
         self.rollout.start(paused=True)
+        if self.agents is not None:
+            a = self.cfg.agent
+            url = self.rollout.run_coroutine(self.agents.proxy.start(a.host, a.port))
+            self.summary["agent_base_url"] = url
+            logger.info("agent proxy: %s (%s mode)", url, a.mode)
         if step > 0:  # the servers start from the base model: give them the resumed weights
             self.publisher.publish(self.actor, version=step)
         elif self.cfg.evaluator.before_training and self.valid_items:
@@ -153,6 +175,8 @@ class RLTrainer:
             self.rollout.set_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
+            if self.agents is not None:
+                stats |= self.agents.stats()
             self.stats.log(step, stats)
             bar.update(stats)
             self._periodic(step)
@@ -229,6 +253,8 @@ class RLTrainer:
         self.summary["stats"] = str(self.paths.root / "stats.jsonl")
 
     def close(self) -> None:
+        if self.agents is not None and self.rollout.running:
+            self.rollout.run_coroutine(self.agents.proxy.stop(), timeout=30)
         self.rollout.stop()
         self.workflow.close()
         self.stats.close()

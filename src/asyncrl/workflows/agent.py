@@ -1,0 +1,115 @@
+"""Agent episodes: n sessions of an agent on one item, exported as one group of trajectories.
+
+Each sample is a session of the agent proxy: the agent (inline function or command) gets
+the proxy's base_url and the session's key, talks to the model however it likes, and
+ends with a reward. The session's completions become trajectories (`agents/capture.py`),
+all sharing the episode's group id, so GRPO's group baseline compares the n attempts.
+A failing agent fails the episode (counted and reported by the rollout controller); an
+agent that ends without a reward is an error, never a 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from asyncrl.agents.capture import ExportStyle, export
+from asyncrl.agents.runner import AgentError, AgentFn
+from asyncrl.agents.session import Session, SessionStatus
+from asyncrl.api.protocols import InferenceEngine
+from asyncrl.api.types import Trajectory
+from asyncrl.workflows.rlvr import gather_or_cancel
+
+
+@dataclasses.dataclass(kw_only=True)
+class AgentSpec:
+    """How episodes are run and exported (the `agent:` config section, resolved)."""
+
+    n_samples: int = 1
+    timeout: float = 600.0  # seconds per session
+    export_style: ExportStyle = "tree"
+    turn_discount: float = 1.0
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # forced per request
+
+
+class AgentWorkflow:
+    """`run(engine, item)`: the item's n sessions, concurrently, through `proxy`."""
+
+    def __init__(self, proxy: Any, agent: AgentFn, spec: AgentSpec) -> None:
+        self.proxy, self.agent, self.spec = proxy, agent, spec
+        self.counts = {"merged": 0, "drift": 0, "completions": 0}
+
+    def for_eval(self, max_new_tokens: int | None = None) -> AgentWorkflow:
+        """One greedy session per item, sharing the proxy and the agent."""
+        sampling = {**self.spec.sampling, "temperature": 0.0}
+        if max_new_tokens:
+            sampling["max_new_tokens"] = max_new_tokens
+        return AgentWorkflow(self.proxy, self.agent,
+                             dataclasses.replace(self.spec, n_samples=1, sampling=sampling))
+
+    def close(self) -> None:
+        pass
+
+    async def run(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
+        """All samples' trajectories, in sample order (a sample may give several)."""
+        from asyncrl.agents.tools import ToolCache, group_cache
+
+        group_id = f"{item['id']}@{uuid.uuid4().hex[:12]}"
+        token = group_cache.set(ToolCache())  # identical deterministic tool calls run once
+        try:
+            groups = await gather_or_cancel(*(self._sample(item, group_id, i)
+                                              for i in range(self.spec.n_samples)))
+        finally:
+            group_cache.reset(token)
+        return [t for g in groups for t in g]
+
+    async def _sample(self, item: dict[str, Any], group_id: str, index: int) -> list[Trajectory]:
+        session = self.proxy.start_session(task_id=str(item["id"]), item=item,
+                                           sampling=self.spec.sampling)
+        t0 = time.perf_counter()
+        try:
+            reward = await asyncio.wait_for(
+                self.agent(self.proxy.base_url, session.api_key, item), self.spec.timeout)
+        except asyncio.TimeoutError:
+            self.proxy.end_session(session, SessionStatus.FAILED, "agent timed out")
+            raise AgentError(f"agent did not finish within {self.spec.timeout:g} s "
+                             f"(agent.timeout); session {session.id}") from None
+        except BaseException as e:
+            self.proxy.end_session(session, SessionStatus.FAILED, f"{type(e).__name__}: {e}")
+            raise
+        if not session.active:  # ended from outside (version lag, timeout): not trainable
+            raise AgentError(f"session {session.id} {session.status.value}: {session.reason}")
+        if reward is not None:
+            if not session.completions:
+                self.proxy.end_session(session, SessionStatus.FAILED, "no model call")
+                raise AgentError(f"agent returned reward {reward} but made no model call "
+                                 f"through the proxy (session {session.id})")
+            session.set_reward(float(reward))
+        self.proxy.end_session(session)
+        if not session.has_reward:
+            raise AgentError(f"agent ended session {session.id} without a reward: return one, "
+                             "or POST /rl/set_reward before returning")
+        return self.trajectories(session, group_id, item, index,
+                                 episode_s=time.perf_counter() - t0)
+
+    def trajectories(self, session: Session, group_id: str, item: dict[str, Any], index: int,
+                     **extra: Any) -> list[Trajectory]:
+        """The session's export, with what the trainer and the logs need in `meta`."""
+        out = export(session.completions, style=self.spec.export_style,
+                     discount=self.spec.turn_discount, group_id=group_id,
+                     meta={"task_id": str(item["id"]), "session_id": session.id,
+                           "sample_index": index, "question": item.get("question", ""),
+                           "n_completions": len(session.completions),
+                           "session_reward": _final_reward(session),
+                           "completion": session.completions[-1].text, **session.meta, **extra})
+        self.counts["merged"] += out.merged
+        self.counts["drift"] += out.drift
+        self.counts["completions"] += len(session.completions)
+        return out.trajectories
+
+
+def _final_reward(session: Session) -> float:
+    return sum(c.reward or 0.0 for c in session.completions)
