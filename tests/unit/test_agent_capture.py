@@ -153,3 +153,17 @@ def test_reward_lines_and_agent_specs(tmp_path):
         resolve_agent(f"{tmp_path}/none.py:run")
     with pytest.raises(ValueError, match="must look like"):
         resolve_agent("no_colon")
+
+
+def test_sandboxed_runs_record_their_isolation_in_the_session_context():
+    from asyncrl.agents.sandbox import Sandbox, isolation_seen
+
+    async def main():
+        seen: set[str] = set()
+        isolation_seen.set(seen)
+        result = await Sandbox().run_python("print(6 * 7)")
+        return seen, result
+
+    seen, result = asyncio.run(main())
+    assert result.stdout.strip() == "42"
+    assert seen == set(result.isolation) and "rlimits" in seen

@@ -283,3 +283,67 @@ def test_sessions_force_the_trainers_sampling(tokenizer):
     sampling = run(main())
     assert (sampling.temperature, sampling.max_new_tokens) == (1.0, 8)
     assert 2 in sampling.stop_token_ids
+
+
+def test_streamed_responses_and_anthropic_requests_are_recorded_too(tokenizer):
+    import anthropic
+
+    async def main():
+        proxy, engine = await start_proxy(tokenizer, ["streamed", "via responses",
+                                                      "via messages"])
+        _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {})
+        client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=s["api_key"])
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        resp = await client.responses.create(model="m", input="hello")
+        claude = anthropic.AsyncAnthropic(base_url=root(proxy), api_key=s["api_key"])
+        msg = await claude.messages.create(model="claude-x", max_tokens=16,
+                                           messages=[{"role": "user", "content": "hey"}])
+        session = proxy.store.get(s["session_id"])
+        await proxy.stop()
+        return text, resp, msg, session
+
+    text, resp, msg, session = run(main())
+    assert text == "streamed"
+    assert resp.output_text == "via responses"
+    assert msg.content[0].text == "via messages"
+    assert [c.route for c in session.completions] == ["chat", "responses", "messages"]
+    assert [c.text for c in session.completions] == ["streamed", "via responses", "via messages"]
+    # The Anthropic request's prompt is the same chat template over its messages.
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "hey"}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert session.completions[2].prompt_ids == tokenizer.encode(expected,
+                                                                 add_special_tokens=False)
+
+
+def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenizer):
+    from asyncrl.workflows.agent import AgentSpec, AgentWorkflow
+
+    version = {"v": 0}
+
+    async def agent(base_url, api_key, item):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        version["v"] = 5  # the trainer moved on while the agent was thinking
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+        return 1.0
+
+    async def ok_agent(base_url, api_key, item):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        return 0.5
+
+    async def main():
+        proxy, _ = await start_proxy(tokenizer, ["x"], version=lambda: version["v"],
+                                     max_session_version_lag=2)
+        dropped = await AgentWorkflow(proxy, agent, AgentSpec(n_samples=2)).run(None, {"id": "i"})
+        version["v"] = 0
+        kept = await AgentWorkflow(proxy, ok_agent, AgentSpec(n_samples=2)).run(None, {"id": "j"})
+        stats = proxy.stats()
+        await proxy.stop()
+        return dropped, kept, stats
+
+    dropped, kept, stats = run(main())
+    assert dropped is None and stats["sessions/version_lag"] >= 1
+    assert [t.reward for t in kept] == [0.5, 0.5] and kept[0].group_id == kept[1].group_id

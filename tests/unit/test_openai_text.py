@@ -99,3 +99,16 @@ def test_hermes_messages_render_history_calls_results_and_tools():
     assert out[1] == {"role": "assistant",
                       "content": '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'}
     assert out[2] == {"role": "user", "content": "<tool_response>\n3\n</tool_response>"}
+
+
+def test_parse_tool_calls_reads_a_list_of_calls_in_one_block():
+    """SmolLM2 was trained to write `<tool_call>[{...}, {...}]</tool_call>`."""
+    text = ('ok <tool_call>[{"name": "a", "arguments": {"x": 1}}, '
+            '{"name": "b", "arguments": {}}]</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "ok"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("a", '{"x": 1}'), ("b", "{}")]
+    # A list with a malformed call, or an empty list, stays text.
+    for bad in ('<tool_call>[{"name": "a"}, {"x": 1}]</tool_call>', "<tool_call>[]</tool_call>"):
+        assert parse_tool_calls(bad) == (bad, [])

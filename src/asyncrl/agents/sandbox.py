@@ -28,6 +28,7 @@ the (threaded) parent.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import json
 import math
@@ -147,7 +148,17 @@ class Sandbox:
             if script is not None:
                 (ws.tmp / "main.py").write_text(script)
                 argv = [*argv[:-1], str(ws.tmp / "main.py")]
-            return await _execute(argv, ws, self.limits, plan, self.read_paths, stdin, env)
+            result = await _execute(argv, ws, self.limits, plan, self.read_paths, stdin, env)
+        seen = isolation_seen.get()
+        if seen is not None:  # an agent session is recording what fenced its code
+            seen.update(result.isolation)
+        return result
+
+
+# Set by whoever runs an agent session (the agent workflow) to a set that collects the
+# isolation mechanisms of every sandboxed run made in that session's context.
+isolation_seen: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "sandbox_isolation_seen", default=None)
 
 
 class _Workspace:

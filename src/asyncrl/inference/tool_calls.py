@@ -70,29 +70,38 @@ def _call_text(call: dict[str, Any]) -> str:
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """Split `text` into its content and OpenAI `tool_calls`.
 
-    A block whose JSON does not parse, or lacks a string `name`, stays in the content so the
-    caller sees what the model wrote. An unterminated `<tool_call>` stays there too.
+    A block holds one call object or a list of them. A block whose JSON does not parse, or
+    whose calls lack a string `name`, stays in the content so the caller sees what the model
+    wrote. An unterminated `<tool_call>` stays there too.
     """
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     pos = 0
     for match in _BLOCK.finditer(text):
-        call = _as_call(match.group(1))
-        if call is None:
+        found = _as_calls(match.group(1))
+        if found is None:
             continue
         kept.append(text[pos:match.start()])
         pos = match.end()
-        calls.append(call)
+        calls.extend(found)
     kept.append(text[pos:])
     content = "".join(kept)
     return (content.strip() if calls else content), calls
 
 
-def _as_call(body: str) -> dict[str, Any] | None:
+def _as_calls(body: str) -> list[dict[str, Any]] | None:
+    """The calls of one block: an object, or a list of objects (SmolLM2's trained form,
+    `<tool_call>[{"name": ..., "arguments": ...}]</tool_call>`); None if it is neither."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
+    objs = obj if isinstance(obj, list) and obj else [obj]
+    calls = [_as_call(o) for o in objs]
+    return None if any(c is None for c in calls) else calls
+
+
+def _as_call(obj: Any) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))

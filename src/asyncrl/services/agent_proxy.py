@@ -37,7 +37,7 @@ import logging
 import math
 import os
 import signal
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,6 +54,7 @@ from asyncrl.inference.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
 _MAX_ENDED_KEYS = 100_000  # keys of ended sessions remembered, to answer 409 rather than 401
+_MAX_ENDED_SESSIONS = 4096  # ended sessions kept in memory (status, reason, completions)
 _MAX_BODY = 8 * 2**20  # bytes; larger requests get 413
 
 
@@ -186,6 +187,7 @@ class AgentProxy:
         self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0}
         self._raw: dict[str, dict[str, str]] = {}  # session id -> assistant key -> raw text
         self._ended_keys: OrderedDict[str, str] = OrderedDict()  # key -> session id
+        self._ended_ids: deque[str] = deque()  # ended sessions still held, oldest first
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
         self.base_url = ""
@@ -209,6 +211,9 @@ class AgentProxy:
         self._ended_keys[session.api_key] = session.id
         while len(self._ended_keys) > _MAX_ENDED_KEYS:
             self._ended_keys.popitem(last=False)
+        self._ended_ids.append(session.id)
+        while len(self._ended_ids) > _MAX_ENDED_SESSIONS:  # their exports are long done
+            self.store.forget(self.store.by_id[self._ended_ids.popleft()])
         self._raw.pop(session.id, None)
         session.retry_cache.clear()
         if self.on_end is not None:

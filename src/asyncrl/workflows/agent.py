@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from typing import Any
@@ -22,6 +23,15 @@ from asyncrl.agents.session import Session, SessionStatus
 from asyncrl.api.protocols import InferenceEngine
 from asyncrl.api.types import Trajectory
 from asyncrl.workflows.rlvr import gather_or_cancel
+
+
+logger = logging.getLogger(__name__)
+# Sessions the proxy ends on its own: their episode is dropped (counted by the proxy).
+_DROPPED = (SessionStatus.VERSION_LAG, SessionStatus.TIMED_OUT)
+
+
+class SessionDropped(Exception):
+    """The proxy ended a session of the episode (version lag, idle timeout)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,8 +63,10 @@ class AgentWorkflow:
     def close(self) -> None:
         pass
 
-    async def run(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
-        """All samples' trajectories, in sample order (a sample may give several)."""
+    async def run(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+        """All samples' trajectories, in sample order (a sample may give several); None when
+        the proxy ended a session (version lag, idle timeout): the episode is rejected, not
+        failed, and its slot goes to a fresh one."""
         from asyncrl.agents.tools import ToolCache, group_cache
 
         group_id = f"{item['id']}@{uuid.uuid4().hex[:12]}"
@@ -62,13 +74,20 @@ class AgentWorkflow:
         try:
             groups = await gather_or_cancel(*(self._sample(item, group_id, i)
                                               for i in range(self.spec.n_samples)))
+        except SessionDropped as e:
+            logger.info("episode of item %s dropped: %s", item["id"], e)
+            return None
         finally:
             group_cache.reset(token)
         return [t for g in groups for t in g]
 
     async def _sample(self, item: dict[str, Any], group_id: str, index: int) -> list[Trajectory]:
+        from asyncrl.agents.sandbox import isolation_seen
+
         session = self.proxy.start_session(task_id=str(item["id"]), item=item,
                                            sampling=self.spec.sampling)
+        sandboxed: set[str] = set()
+        isolation_seen.set(sandboxed)  # this task's context: what the agent's code ran under
         t0 = time.perf_counter()
         try:
             reward = await asyncio.wait_for(
@@ -78,10 +97,13 @@ class AgentWorkflow:
             raise AgentError(f"agent did not finish within {self.spec.timeout:g} s "
                              f"(agent.timeout); session {session.id}") from None
         except BaseException as e:
+            if session.status in _DROPPED:  # the proxy ended it; the agent saw a 409
+                raise SessionDropped(f"session {session.id} {session.status.value}: "
+                                     f"{session.reason}") from e
             self.proxy.end_session(session, SessionStatus.FAILED, f"{type(e).__name__}: {e}")
             raise
         if not session.active:  # ended from outside (version lag, timeout): not trainable
-            raise AgentError(f"session {session.id} {session.status.value}: {session.reason}")
+            raise SessionDropped(f"session {session.id} {session.status.value}: {session.reason}")
         if reward is not None:
             if not session.completions:
                 self.proxy.end_session(session, SessionStatus.FAILED, "no model call")
@@ -93,7 +115,8 @@ class AgentWorkflow:
             raise AgentError(f"agent ended session {session.id} without a reward: return one, "
                              "or POST /rl/set_reward before returning")
         return self.trajectories(session, group_id, item, index,
-                                 episode_s=time.perf_counter() - t0)
+                                 episode_s=time.perf_counter() - t0,
+                                 sandbox=sorted(sandboxed) if sandboxed else None)
 
     def trajectories(self, session: Session, group_id: str, item: dict[str, Any], index: int,
                      **extra: Any) -> list[Trajectory]:

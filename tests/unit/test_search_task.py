@@ -1,0 +1,179 @@
+"""The search-agent task: its generated corpus, questions, BM25 tool and answer scoring."""
+
+import asyncio
+import json
+
+import pytest
+
+from asyncrl.agents.search import (
+    FEW_SHOT,
+    SYSTEM_PROMPT,
+    SearchTool,
+    all_questions,
+    make_corpus,
+    score_answer,
+    search_items,
+)
+from asyncrl.inference.tool_calls import hermes_messages, parse_tool_calls
+
+# n_entities=200 people -> 40 towns, 8 provinces, 100 inventions, 100 firms:
+# 200 birth + 40 location + 100 invention + 100 founding docs.
+N_DOCS = 440
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return make_corpus(0, 200)
+
+
+def _docs(corpus):
+    return {d["id"]: d for d in corpus}
+
+
+def test_same_seed_gives_the_same_corpus_and_another_seed_a_different_one(corpus):
+    assert make_corpus(0, 200) == corpus
+    assert len(corpus) == N_DOCS
+    assert [d["text"] for d in make_corpus(1, 200)] != [d["text"] for d in corpus]
+
+
+def test_doc_ids_and_texts_are_unique(corpus):
+    assert len({d["id"] for d in corpus}) == N_DOCS
+    assert len({d["text"] for d in corpus}) == N_DOCS
+
+
+def test_one_hop_answer_is_in_its_single_supporting_doc(corpus):
+    docs = _docs(corpus)
+    questions = all_questions(corpus, [1])
+    assert len(questions) == N_DOCS  # one question per fact
+    for q in questions:
+        (doc_id,) = q["supporting_doc_ids"]
+        assert q["answer"] in docs[doc_id]["text"]
+
+
+def test_two_hop_answer_is_only_in_the_second_doc(corpus):
+    docs = _docs(corpus)
+    questions = all_questions(corpus, [2])
+    # 200 "province of a person's birth" + 100 inventors' towns + 100 founders' towns
+    assert len(questions) == 400
+    for q in questions:
+        first, second = (docs[i] for i in q["supporting_doc_ids"])
+        assert first["subject"] in q["question"]
+        assert q["answer"] not in first["text"]
+        assert q["answer"] in second["text"]
+        assert first["object"] == second["subject"]  # the first lookup names the second
+
+
+def test_items_have_the_dataset_item_shape():
+    (item,) = search_items(1, seed=0, hops=[1, 2])
+    assert item["task"] == "search"
+    assert set(item) == {"id", "question", "answer", "task", "metadata"}
+    assert set(item["metadata"]) == {"corpus_seed", "n_entities", "hops", "supporting_doc_ids"}
+    assert search_items(5, seed=3) == search_items(5, seed=3)
+
+
+def test_train_and_valid_questions_are_disjoint():
+    # 440 one-hop questions: 88 (20%) held out, 352 for training.
+    train = search_items(352, seed=0, split="train")
+    valid = search_items(88, seed=1, split="valid")
+    assert len({i["question"] for i in train}) == 352
+    assert not {i["question"] for i in train} & {i["question"] for i in valid}
+    other_seed = search_items(40, seed=7, split="valid")
+    assert {i["question"] for i in other_seed} <= {i["question"] for i in valid}
+
+
+def test_asking_for_more_items_than_the_split_holds_is_an_error():
+    with pytest.raises(ValueError, match="has 88"):
+        search_items(89, seed=0, split="valid")
+    with pytest.raises(ValueError, match="split"):
+        search_items(1, seed=0, split="test")
+
+
+def test_bm25_ranks_the_supporting_doc_first_for_the_entity_name(corpus):
+    # The name alone matches several docs (a person's birth, invention and firm docs), and
+    # the supporting one is the shortest, so BM25 ranks it first in every one of the 440.
+    docs = _docs(corpus)
+    tool = SearchTool.for_corpus(0, 200)
+    firsts = [tool.search(docs[q["supporting_doc_ids"][0]]["subject"])[0] == docs[q["supporting_doc_ids"][0]]["text"]
+              for q in all_questions(corpus, [1])]
+    assert sum(firsts) == N_DOCS
+
+
+def test_bm25_ranks_the_supporting_doc_first_for_the_question_itself(corpus):
+    docs = _docs(corpus)
+    tool = SearchTool.for_corpus(0, 200)
+    hits = sum(tool.search(q["question"])[0] == docs[q["supporting_doc_ids"][0]]["text"]
+               for q in all_questions(corpus, [1]))
+    assert hits == N_DOCS
+
+
+def test_tool_is_built_once_per_corpus():
+    item = search_items(1, seed=0)[0]
+    assert SearchTool.for_item(item) is SearchTool.for_corpus(0, 200)
+    assert SearchTool.for_corpus(1, 200) is not SearchTool.for_corpus(0, 200)
+
+
+def test_tool_output_is_the_top_three_doc_texts_one_per_line(corpus):
+    texts = {d["text"] for d in corpus}
+    out = asyncio.run(SearchTool.for_corpus(0, 200)({"query": corpus[0]["subject"]}))
+    lines = out.split("\n")
+    assert len(lines) == 3
+    assert all(line in texts for line in lines)
+    assert lines[0] == corpus[0]["text"]
+
+
+def test_tool_answers_an_unknown_query_and_a_malformed_call_in_text():
+    tool = SearchTool.for_corpus(0, 200)
+    assert asyncio.run(tool({"query": "zzzq qqqz"})) == "No results."
+    assert asyncio.run(tool({"q": "x"})).startswith("Error:")
+    assert asyncio.run(tool({"query": 3})).startswith("Error:")
+
+
+def test_tool_accepts_a_query_nested_in_an_object(corpus):
+    tool = SearchTool.for_corpus(0, 200)
+    name = corpus[0]["subject"]
+    assert asyncio.run(tool({"query": {"name": name}})) == asyncio.run(tool({"query": name}))
+
+
+def test_tool_fits_the_agents_tool_spec():
+    from asyncrl.agents.tools import tool_spec
+
+    spec = tool_spec(SearchTool.for_corpus(0, 200))
+    assert spec["function"]["name"] == "search"
+    assert spec["function"]["parameters"]["required"] == ["query"]
+
+
+def test_tool_declares_a_query_parameter():
+    assert SearchTool.name == "search" and SearchTool.deterministic
+    assert SearchTool.parameters["required"] == ["query"]
+    assert SearchTool.parameters["properties"]["query"]["type"] == "string"
+
+
+@pytest.mark.parametrize(("completion", "score"), [
+    ("<answer>Drennick</answer>", 1.0),
+    ("<answer> drennick. </answer>", 1.0),
+    ("I think <ANSWER>Drennick</ANSWER>", 1.0),
+    ("<answer>Ostavel</answer> no wait <answer>Drennick</answer>", 1.0),  # the last tag counts
+    ("<answer>Drennick</answer> no wait <answer>Ostavel</answer>", 0.0),
+    ("<answer>the town of Drennick</answer>", 0.0),
+    ("Drennick", 0.0),  # no tag, no credit
+    ("<answer>Drennick", 0.0),
+    ("", 0.0),
+])
+def test_score_answer_reads_the_last_answer_tag(completion, score):
+    assert score_answer(completion, {"answer": "Drennick"}) == score
+
+
+def test_score_answer_normalises_case_whitespace_and_punctuation():
+    item = {"answer": "Velmora Quist"}
+    assert score_answer("<answer>velmora   quist!</answer>", item) == 1.0
+    assert score_answer("<answer>Velmora\nQuist</answer>", item) == 1.0
+    assert score_answer("<answer>Velmora</answer>", item) == 0.0
+
+
+def test_system_prompt_example_is_a_parseable_call_about_no_corpus_entity(corpus):
+    _, calls = parse_tool_calls(SYSTEM_PROMPT)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"query": "Orla Fennick"}]
+    assert score_answer(SYSTEM_PROMPT, {"answer": "Brask"}) == 1.0
+    names = {d["subject"] for d in corpus} | {d["object"] for d in corpus}
+    assert not any(name in SYSTEM_PROMPT for name in names)
+    assert hermes_messages(FEW_SHOT, None, None) == FEW_SHOT  # plain turns, if any
