@@ -167,3 +167,17 @@ def test_sandboxed_runs_record_their_isolation_in_the_session_context():
     seen, result = asyncio.run(main())
     assert result.stdout.strip() == "42"
     assert seen == set(result.isolation) and "rlimits" in seen
+
+
+def test_evaluation_counts_each_agent_session_once():
+    from asyncrl.rollout.evaluate import evaluate
+
+    class TwoPieces:  # a session whose second turn drifted: two trajectories, G_0 first
+        async def run(self, engine, item):
+            return [Trajectory(input_ids=[1, 2], loss_mask=[0, 1], behavior_logprobs=[0, 0],
+                               versions=[-1, 0], reward=r, group_id="g",
+                               meta={"session_id": f"s{item['id']}"}) for r in (0.5, 1.0)]
+
+    stats, trajs = asyncio.run(evaluate(None, TwoPieces(), [{"id": 1}, {"id": 2}],
+                                        concurrency=2))
+    assert (stats["eval/n"], stats["eval/reward"], len(trajs)) == (2.0, 0.5, 4)

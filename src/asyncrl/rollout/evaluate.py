@@ -33,10 +33,25 @@ async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict
             trajectories.extend(result)
     if not trajectories:
         raise RuntimeError(f"evaluation failed on all {len(items)} items; see the log for causes")
+    scored = one_per_session(trajectories)
     stats = {
-        "eval/reward": sum(t.reward for t in trajectories) / len(trajectories),
-        "eval/n": float(len(trajectories)),
+        "eval/reward": sum(t.reward for t in scored) / len(scored),
+        "eval/n": float(len(scored)),
         "eval/failed": float(failures),
-        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(trajectories),
+        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(scored),
     }
     return stats, trajectories
+
+
+def one_per_session(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """Each agent session once: its first trajectory, whose reward is the return from its
+    first turn (a session whose turns did not merge exports several). Others stay as they are."""
+    seen: set[str] = set()
+    out = []
+    for t in trajectories:
+        session = t.meta.get("session_id")
+        if session is None or session not in seen:
+            out.append(t)
+            if session is not None:
+                seen.add(session)
+    return out
