@@ -170,10 +170,16 @@ def test_score_answer_normalises_case_whitespace_and_punctuation():
     assert score_answer("<answer>Velmora</answer>", item) == 0.0
 
 
-def test_system_prompt_example_is_a_parseable_call_about_no_corpus_entity(corpus):
-    _, calls = parse_tool_calls(SYSTEM_PROMPT)
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"query": "Orla Fennick"}]
-    assert score_answer(SYSTEM_PROMPT, {"answer": "Brask"}) == 1.0
+def test_worked_examples_are_well_formed_and_about_no_corpus_entity(corpus):
+    calls = [c for m in FEW_SHOT for c in m.get("tool_calls", [])]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == \
+        [{"query": "Orla Fennick"}, {"query": "Dovel Compass"}]
+    answers = [m["content"] for m in FEW_SHOT if m["role"] == "assistant" and "<answer>" in m["content"]]
+    assert [score_answer(a, {"answer": g}) for a, g in zip(answers, ["Brask", "Tamsin Vey"])] == [1.0, 1.0]
     names = {d["subject"] for d in corpus} | {d["object"] for d in corpus}
-    assert not any(name in SYSTEM_PROMPT for name in names)
-    assert hermes_messages(FEW_SHOT, None, None) == FEW_SHOT  # plain turns, if any
+    text = SYSTEM_PROMPT + json.dumps(FEW_SHOT)
+    assert not any(name in text for name in names)
+    rendered = hermes_messages(FEW_SHOT, None, None)  # tool turns become plain text turns
+    assert sum("<tool_call>" in m["content"] for m in rendered) == 2
+
+

@@ -2,9 +2,8 @@
 
 The corpus (made-up people, towns, provinces, inventions and firms; `asyncrl.agents.search`)
 is indexed with bm25s. The agent is a plain `openai` SDK loop: the model may call
-`search(query)`, reads the results, and answers inside <answer></answer>; after a search
-result the agent reminds it of the answer format (the tiny model otherwise copies the
-result lines without the tags). 1-hop questions need one lookup, 2-hop questions two.
+`search(query)`, reads the results, and answers inside <answer></answer>. 1-hop questions
+need one lookup, 2-hop questions two.
 Identical searches within a GRPO group run once (the group's tool cache).
 """
 
@@ -12,12 +11,17 @@ from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from asyncrl.agents.search import FEW_SHOT, SYSTEM_PROMPT, SearchTool, extract_answer, score_answer
+from asyncrl.agents.search import (
+    FEW_SHOT,
+    SYSTEM_PROMPT,
+    SearchTool,
+    extract_answer,
+    score_answer,
+)
 from asyncrl.agents.tools import ToolBox
 
 MAX_TURNS = 3  # up to two searches (2-hop questions), then the answer
 MAX_TOKENS = 56
-REMINDER = "Answer inside <answer></answer> tags, or search again."
 
 
 async def agent(base_url: str, api_key: str, item: dict) -> float:
@@ -36,5 +40,4 @@ async def agent(base_url: str, api_key: str, item: dict) -> float:
                 break
             messages.append({"role": "assistant", "content": message.content, "tool_calls": calls})
             messages += await toolbox.run_tool_calls(calls)
-            messages.append({"role": "user", "content": REMINDER})
     return score_answer(text, item)

@@ -15,6 +15,7 @@ Answers go inside <answer></answer>; `score_answer` reads the last such tag.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Sequence
@@ -231,15 +232,29 @@ def score_answer(completion: str, item: dict[str, Any]) -> float:
 
 # -- prompt ---------------------------------------------------------------------------
 
-# The worked example sits inside the system text, not in chat turns: given a one-shot
-# conversation (call, `<tool_response>` user turn, answer), SmolLM2-135M answers every new
-# question by writing a `<tool_response>` of its own and never calls the tool (0/40 greedy,
-# 0/40 sampled); with the example inline it calls the tool on 6/40 greedy first turns.
-SYSTEM_PROMPT = (
-    "You answer questions about a private knowledge base; you do not know the answers "
-    "yourself. First search, then answer inside <answer></answer> tags.\n\nExample:\n"
-    "Question: In which town was Orla Fennick born?\n"
-    'You: <tool_call>\n{"name": "search", "arguments": {"query": "Orla Fennick"}}\n</tool_call>\n'
-    "Search result: Orla Fennick was born in the town of Brask.\n"
-    "You: <answer>Brask</answer>")
-FEW_SHOT: list[dict[str, Any]] = []  # chat turns to put between the system prompt and the question
+# Two worked conversations as chat turns, each with a lead-in before its call. With the
+# example written inline in the system text instead, SmolLM2-135M searched in 15% of greedy
+# first turns but never tagged its answer (0% before and after 10 steps of RL); with these
+# turns the held-out reward went 0.000 -> 0.328 in 12 steps (examples/agents/README.md).
+SYSTEM_PROMPT = ("You do not know anything about the people, towns and things you are asked "
+                 "about: always use the search tool, then copy the answer into "
+                 "<answer></answer> tags.")
+
+
+def _worked_example(question: str, query: str, result: str, answer: str) -> list[dict[str, Any]]:
+    """One episode done right: question, search call, its result, the copied answer."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "search", "arguments": json.dumps({"query": query})}}
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": "I will search for it.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": result},
+            {"role": "assistant", "content": f"The answer is {answer}.\n<answer>{answer}</answer>"}]
+
+
+# Names the default corpus (seed 0, 200 people) does not contain (a test checks), so an
+# example never gives away a real answer.
+FEW_SHOT: list[dict[str, Any]] = (
+    _worked_example("In which town was Orla Fennick born?", "Orla Fennick",
+                    "Orla Fennick was born in the town of Brask.", "Brask")
+    + _worked_example("Who invented the Dovel Compass?", "Dovel Compass",
+                      "The Dovel Compass was invented by Tamsin Vey.", "Tamsin Vey"))
