@@ -10,23 +10,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import anthropic
 import httpx
 import openai
 import pytest
 from aiohttp import web
 from openai.types.responses import Response
+from serving import serving as serve_app
 
 from asyncrl.api.errors import InferenceError
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.inference.openai_api import openai_app
 from asyncrl.inference.openai_protocol import OpenAIError
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.services.chat_shapes import AnthropicRoutes, HttpChat, ResponsesRoutes
+from asyncrl.services.anthropic_api import AnthropicRoutes
+from asyncrl.services.responses_api import ResponsesRoutes
 
 MODEL = "served-model"
 KEY = "sk-test"
@@ -79,25 +81,27 @@ def shapes_app(chat: Any) -> web.Application:
 
 @contextlib.contextmanager
 def serving(chat: Any, app: web.Application | None = None) -> Iterator[str]:
-    """Both routes over `chat` (or `app`) on a free loopback port from a thread; yields the URL."""
-    app = app or shapes_app(chat)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(app)
+    """Both routes over `chat` (or `app`) on a free loopback port; yields the URL."""
+    with serve_app(app or shapes_app(chat)) as url:
+        yield url
 
-    async def start() -> str:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
-    try:
-        yield asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
+class HttpChat:
+    """A `ChatFn` that posts to a /v1/chat/completions URL, passing the caller's API key on."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    async def __call__(self, request: web.Request, body: dict) -> dict:
+        key = request.headers.get("Authorization") or f"Bearer {request.headers['x-api-key']}"
+        async with aiohttp.ClientSession() as session, session.post(
+                self.url, json=body, headers={"Authorization": key}) as resp:
+            answer = await resp.json(content_type=None)
+        if resp.status != 200:
+            err = answer["error"]
+            raise OpenAIError(err["message"], status=resp.status, param=err.get("param"),
+                              type=err["type"], code=err.get("code"))
+        return answer
 
 
 def oai(url: str) -> openai.AsyncOpenAI:

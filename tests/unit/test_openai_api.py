@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
-from aiohttp import web
+from serving import serving
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.inference.openai_api import openai_app
@@ -39,28 +37,6 @@ class ScriptedEngine:
         return GenerationResponse(rid=req.rid, input_ids=list(req.input_ids), output_ids=ids,
                                   output_logprobs=[-0.25] * n, output_versions=[7] * n,
                                   stop_reason=reason)
-
-
-@contextlib.contextmanager
-def serving(app: web.Application) -> Iterator[str]:
-    """Serve `app` on a free loopback port from a thread; yields its base URL."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(app)
-
-    async def start() -> str:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    try:
-        yield asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,6 @@ class Session:
     api_key: str
     task_id: str | None = None
     start_version: int = 0
-    item: dict[str, Any] | None = None  # the dataset item, for inline/subprocess agents
     sampling: dict[str, Any] = field(default_factory=dict)  # overrides of request sampling
     completions: list[Completion] = field(default_factory=list)
     status: SessionStatus = SessionStatus.ACTIVE
@@ -58,7 +57,6 @@ class Session:
     inflight: int = 0  # requests being answered now (an idle timeout waits for them)
     retry_cache: dict[str, list[asyncio.Future]] = field(default_factory=dict)
     done: asyncio.Future | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -107,7 +105,7 @@ class SessionStore:
                        SessionStatus.ACTIVE} | {"started": 0}
 
     def start(self, *, task_id: str | None = None, api_key: str | None = None,
-              start_version: int = 0, item: dict[str, Any] | None = None,
+              start_version: int = 0,
               sampling: dict[str, Any] | None = None) -> Session:
         """A new active session; a key already bound ends (and exports) its old session."""
         if api_key is not None and (not isinstance(api_key, str) or len(api_key) < 8):
@@ -117,7 +115,7 @@ class SessionStore:
             self.end(old, SessionStatus.ENDED, "its key started a new session")
         session = Session(id=f"sess-{uuid.uuid4().hex[:16]}",
                           api_key=api_key or f"sk-asyncrl-{secrets.token_urlsafe(24)}",
-                          task_id=task_id, start_version=start_version, item=item,
+                          task_id=task_id, start_version=start_version,
                           sampling=dict(sampling or {}))
         session.done = asyncio.get_running_loop().create_future()
         self.by_id[session.id] = session

@@ -195,11 +195,11 @@ class AgentProxy:
     # ---- sessions (in-process API) ------------------------------------------------------
 
     def start_session(self, *, task_id: str | None = None, api_key: str | None = None,
-                      item: dict[str, Any] | None = None, start_version: int | None = None,
+                      start_version: int | None = None,
                       sampling: dict[str, Any] | None = None) -> Session:
         """A session without the admission check (its caller already counts it)."""
         version = self.version() if start_version is None else start_version
-        return self.store.start(task_id=task_id, api_key=api_key, item=item,
+        return self.store.start(task_id=task_id, api_key=api_key,
                                 start_version=version, sampling={**self.sampling,
                                                                  **(sampling or {})})
 

@@ -1,4 +1,18 @@
-"""Helpers shared by the Responses and Anthropic Messages routes (see chat_shapes.py)."""
+"""What the Responses and Anthropic Messages routes share: both are translations onto chat.
+
+Each route checks its own request shape, builds one non-streaming /v1/chat/completions
+body, hands it to a `ChatFn` (whatever the server uses to answer chat), and writes the
+chat.completion back in its own shape. A streamed request is answered by replaying the
+finished chat answer as that API's server-sent events, so a stream costs the same single
+generation and carries the same tokens.
+
+    ResponsesRoutes(chat, model_name).add_to(app)   # POST /v1/responses   (responses_api.py)
+    AnthropicRoutes(chat, model_name).add_to(app)   # POST /v1/messages    (anthropic_api.py)
+
+Our extension fields (`prompt_token_ids`, `token_ids`, `token_logprobs`, `token_versions`,
+see inference/openai_api.py) travel as top-level keys of each answer; both SDKs keep
+unknown keys in `model_extra`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +21,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
@@ -118,28 +131,3 @@ async def send_events(request: web.Request,
         await resp.write(sse(event, data))
     await resp.write_eof()
     return resp
-
-
-class HttpChat:
-    """A `ChatFn` that posts to a /v1/chat/completions URL, passing the caller's API key on."""
-
-    def __init__(self, url: str, *, timeout_s: float = 600.0):
-        self.url = url
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    async def __call__(self, request: web.Request, body: dict) -> dict:
-        headers = {}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        elif "x-api-key" in request.headers:  # Anthropic clients send the key this way
-            headers["Authorization"] = f"Bearer {request.headers['x-api-key']}"
-        async with aiohttp.ClientSession(timeout=self.timeout) as session, session.post(
-                self.url, json=body, headers=headers) as resp:
-            answer = await resp.json(content_type=None)
-        if resp.status != 200:
-            err = (answer.get("error") or {}) if isinstance(answer, dict) else {}
-            raise OpenAIError(err.get("message") or f"chat answered {resp.status}",
-                              status=resp.status, param=err.get("param"),
-                              type=err.get("type") or "invalid_request_error",
-                              code=err.get("code"))
-        return answer

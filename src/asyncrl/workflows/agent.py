@@ -84,7 +84,7 @@ class AgentWorkflow:
     async def _sample(self, item: dict[str, Any], group_id: str, index: int) -> list[Trajectory]:
         from asyncrl.agents.sandbox import isolation_seen
 
-        session = self.proxy.start_session(task_id=str(item["id"]), item=item,
+        session = self.proxy.start_session(task_id=str(item["id"]),
                                            sampling=self.spec.sampling)
         sandboxed: set[str] = set()
         isolation_seen.set(sandboxed)  # this task's context: what the agent's code ran under
@@ -127,7 +127,7 @@ class AgentWorkflow:
                            "sample_index": index, "question": item.get("question", ""),
                            "n_completions": len(session.completions),
                            "session_reward": _final_reward(session),
-                           "completion": session.completions[-1].text, **session.meta, **extra})
+                           "completion": session.completions[-1].text, **extra})
         self.counts["merged"] += out.merged
         self.counts["drift"] += out.drift
         self.counts["completions"] += len(session.completions)
