@@ -27,7 +27,7 @@ import aiohttp
 import torch
 
 from asyncrl.inference.bench import prompts
-from asyncrl.inference.launch import server_command
+from asyncrl.scheduler.commands import server_command
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.scheduler.local import free_port
 

@@ -1,4 +1,4 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart`."""
+"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 from importlib import resources
+from pathlib import Path
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -133,11 +134,40 @@ def _serve_backend(args: argparse.Namespace) -> int:
             asyncio.run(agent_proxy.serve(
                 args.backend, url, tokenizer=path, model_name=args.model, host=args.host,
                 port=args.port, admin_key=args.admin_key, export_dir=args.export_dir,
-                session_timeout=args.session_timeout, max_model_len=args.max_seq_len))
+                session_timeout=args.session_timeout, max_model_len=args.max_seq_len,
+                tool_parser=args.tool_parser))
         else:
             asyncio.run(gateway.serve(args.backend, url, tokenizer=path, model_name=args.model,
                                       host=args.host, port=args.port,
                                       max_model_len=args.max_seq_len))
+    return 0
+
+
+def _ps(args: argparse.Namespace) -> int:
+    """The run's services: role, address, pid, node, state, log."""
+    from asyncrl.scheduler.control import ps
+
+    print("\n".join(ps(args.run)))
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    """The end of a role's logs (one worker's with INDEX)."""
+    from asyncrl.scheduler.control import logs
+
+    lines = logs(args.run, args.role, args.index, args.n)
+    if not lines:
+        print(f"asyncrl logs: no logs of {args.role!r} in {args.run}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """Stop the run's services (local pids, Ray workers on this machine, Slurm jobs)."""
+    from asyncrl.scheduler.control import stop
+
+    print("\n".join(stop(args.run)))
     return 0
 
 
@@ -177,7 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --admin-key: write each finished session here as JSONL")
     p.add_argument("--session-timeout", type=float, default=600.0,
                    help="with --admin-key: seconds before an idle session ends as timed_out")
+    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                   help="with --admin-key: the model's tool-call format (default: read from "
+                        "its chat template)")
     p.set_defaults(func=_serve)
+    p = sub.add_parser("ps", help="list a run's services (from <run>/services.json)")
+    p.add_argument("--run", required=True, type=Path, help="the run directory")
+    p.set_defaults(func=_ps)
+    p = sub.add_parser("logs", help="show the end of a run's service logs")
+    p.add_argument("--run", required=True, type=Path, help="the run directory")
+    p.add_argument("role", help="e.g. inference, trainer, agent")
+    p.add_argument("index", nargs="?", type=int, default=None, help="one worker (default: all)")
+    p.add_argument("-n", type=int, default=50, help="lines per log (default: 50)")
+    p.set_defaults(func=_logs)
+    p = sub.add_parser("stop", help="stop a run's services")
+    p.add_argument("--run", required=True, type=Path, help="the run directory")
+    p.set_defaults(func=_stop)
     return parser
 
 

@@ -252,6 +252,25 @@ def test_client_routes_to_least_busy_server_and_pins_rids():
     asyncio.run(client.close())
 
 
+def test_requests_of_one_affinity_key_share_a_server_whatever_their_rids():
+    fakes = FakeServers(2)
+    client = RemoteInferenceEngine(fakes.addresses)
+
+    async def go():
+        # Two sessions of three turns each, all in flight at once: without affinity the
+        # least-busy rule would spread each session's turns over both servers.
+        reqs = [GenerationRequest(input_ids=[5], rid=f"{s}-turn{t}", affinity=s)
+                for t in range(3) for s in ("sess-a", "sess-b")]
+        await asyncio.gather(*(client.agenerate(r) for r in reqs))
+    asyncio.run(go())
+    by_session = {}
+    for srv, _, rid in fakes.calls:
+        by_session.setdefault(rid.split("-turn")[0], set()).add(srv)
+    assert by_session == {"sess-a": {0}, "sess-b": {1}} or by_session == {"sess-a": {1},
+                                                                          "sess-b": {0}}
+    asyncio.run(client.close())
+
+
 def test_weight_update_timeout_raises_naming_server_and_step_then_resumes():
     fakes = FakeServers(1, update_delay=5.0)
     client = RemoteInferenceEngine(fakes.addresses, update_weights_timeout=0.5)

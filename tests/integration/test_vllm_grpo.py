@@ -43,5 +43,5 @@ def test_two_async_grpo_steps_on_a_vllm_server(tmp_path):
     assert (run / "weights" / "v2" / "config.json").is_file()
     # No error while serving; vLLM may log one while it shuts down (an output handler
     # racing its engine's exit), which is not ours to judge.
-    log = (run / "logs" / "server-0.log").read_text().split("[shutdown]")[0]
+    log = (run / "logs" / "inference-0.log").read_text().split("[shutdown]")[0]
     assert "Traceback" not in log

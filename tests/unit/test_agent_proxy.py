@@ -285,6 +285,23 @@ def test_sessions_force_the_trainers_sampling(tokenizer):
     assert 2 in sampling.stop_token_ids
 
 
+def test_a_sessions_requests_carry_its_id_as_their_affinity_key(tokenizer):
+    async def main():
+        proxy, engine = await start_proxy(tokenizer, ["a", "b", "c"])
+        ids = []
+        for _ in range(2):
+            _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {})
+            ids.append(s["session_id"])
+            messages = [{"role": "user", "content": "hi"}]
+            await post(f"{proxy.base_url}/chat/completions", s["api_key"],
+                       {"model": "m", "messages": messages})
+        await proxy.stop()
+        return ids, [c.affinity for c in engine.calls]
+
+    ids, affinities = run(main())
+    assert affinities == ids and ids[0] != ids[1]
+
+
 def test_streamed_responses_and_anthropic_requests_are_recorded_too(tokenizer):
     import anthropic
 

@@ -60,9 +60,15 @@ def test_rollout_fields_may_repeat_allocation_mode_but_not_contradict_it():
         _load("allocation_mode=vllm+fsdp:d1")
 
 
-def test_allocation_mode_must_fit_the_gpus_of_the_node():
+def test_allocation_mode_must_fit_the_gpus_of_the_cluster():
     cfg = _load("allocation_mode=vllm:d2+fsdp:d2", "cluster.n_gpus_per_node=4")
     assert cfg.trainer_world_size == 2
     with pytest.raises(ConfigError, match="needs 2 inference \\+ 4 trainer GPUs but "
-                                          "cluster.n_gpus_per_node=4"):
+                                          "cluster.n_nodes x cluster.n_gpus_per_node = 4"):
         _load("allocation_mode=vllm:d2+fsdp:d4", "cluster.n_gpus_per_node=4")
+    # Two nodes of 4 GPUs hold 2 + 4 (under a multi-node scheduler).
+    cfg = _load("allocation_mode=vllm:d2+fsdp:d4", "cluster.n_gpus_per_node=4",
+                "cluster.n_nodes=2", "scheduler.type=ray")
+    assert (cfg.rollout.n_servers, cfg.trainer_world_size) == (2, 4)
+    with pytest.raises(ConfigError, match="scheduler.type=local runs on one machine"):
+        _load("cluster.n_nodes=2")

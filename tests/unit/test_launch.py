@@ -1,12 +1,13 @@
-"""The command line and environment of each backend's server."""
+"""The command line and environment of each backend's server, and the inference role's spec."""
 
 import os
 import sys
 
 import pytest
 
+from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.backends import client_class
-from asyncrl.inference.launch import server_command
+from asyncrl.scheduler.commands import inference_spec, server_command
 
 
 def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
@@ -51,3 +52,25 @@ def test_each_backend_has_a_client_class():
         "local", "vllm", "sglang"]
     with pytest.raises(ValueError, match="backend 'x' is not one of"):
         client_class("x")
+
+
+def test_inference_spec_has_placeholders_and_a_seed_per_server():
+    spec = inference_spec("local", "/m", LocalEngineConfig(max_batch_size=8), n_servers=2,
+                          seed=10, cpus=3, extra_args=["--flag"])
+    assert (spec.role, spec.count, spec.cpus, spec.gpus) == ("inference", 2, 3, 0)
+    argv = spec.argv(1, {"host": "10.0.0.5", "port": "9001", "cpus": "3"})
+    assert argv[argv.index("--host") + 1] == "10.0.0.5" and argv[argv.index("--port") + 1] == "9001"
+    assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--max-batch-size") + 1] == "8"
+    assert argv[-3:] == ["--flag", "--seed", "11"]
+    assert spec.env["HF_HUB_OFFLINE"] == "1" and "PATH" not in spec.env  # additions only
+
+
+def test_vllm_spec_binds_its_engine_to_the_worker_host_and_cores():
+    spec = inference_spec("vllm", "/m", LocalEngineConfig(), n_servers=1, seed=0,
+                          cache_dir="/run/vllm-cache")
+    env = spec.environment({"host": "10.0.0.5", "cores": "4,5"})
+    assert env["VLLM_HOST_IP"] == os.environ.get("VLLM_HOST_IP", "10.0.0.5")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "4,5")
+    assert env["VLLM_CACHE_ROOT"] == os.environ.get("VLLM_CACHE_ROOT", "/run/vllm-cache")
+    gpu = inference_spec("sglang", "/m", LocalEngineConfig(), n_servers=2, seed=0, device="cuda")
+    assert gpu.gpus == 1 and gpu.worker_args == [["--random-seed", "0"], ["--random-seed", "1"]]

@@ -1,7 +1,14 @@
 """Contracts shared by every package: typed data and the engine/workflow/reward protocols."""
 
 from asyncrl.api.errors import InferenceError
-from asyncrl.api.protocols import InferenceEngine, LossFn, RewardFn, TrainEngine, Workflow
+from asyncrl.api.protocols import (
+    InferenceEngine,
+    LossFn,
+    RewardFn,
+    TrainEngine,
+    Trainer,
+    Workflow,
+)
 from asyncrl.api.types import (
     Batch,
     GenerationRequest,
@@ -14,5 +21,6 @@ from asyncrl.api.types import (
 
 __all__ = [
     "Batch", "GenerationRequest", "GenerationResponse", "InferenceEngine", "InferenceError", "LossFn", "RewardFn",
-    "SamplingParams", "StopReason", "TensorBatch", "TrainEngine", "Trajectory", "Workflow",
+    "SamplingParams", "StopReason", "TensorBatch", "TrainEngine", "Trainer", "Trajectory",
+    "Workflow",
 ]

@@ -69,6 +69,42 @@ class TrainEngine(Protocol):
         ...
 
 
+class Trainer(Protocol):
+    """The controller's handle on the trainer ranks of RL (in process or a service's).
+
+    Every call is a step of all ranks together; each returns rank 0's answer.
+    """
+
+    def initialize(self, total_steps: int) -> dict[str, int]:
+        """Load and shard the models; `total_steps` RL steps size the lr schedules."""
+        ...
+
+    def train(self, tb: TensorBatch) -> dict[str, float]:
+        """One RL step (log-probs, advantages, optimiser steps); its stats."""
+        ...
+
+    def compute_logprobs(self, tb: TensorBatch) -> torch.Tensor:
+        ...
+
+    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
+        """The policy as an HF folder (weights in `dtype`, default the master fp32)."""
+        ...
+
+    def save_state(self, path: str) -> None:
+        ...
+
+    def load_state(self, path: str) -> None:
+        ...
+
+    def weight_sender(self, backend: str, dtype: str) -> tuple[Any, str]:
+        """Broadcast sync: the trainer side (`weights.broadcast.WeightSender`'s interface)
+        and the host of rank 0, where the group's rendezvous is."""
+        ...
+
+    def destroy(self) -> None:
+        ...
+
+
 @runtime_checkable
 class Workflow(Protocol):
     """One episode: from a dataset item to a group of trajectories (or None to reject it)."""

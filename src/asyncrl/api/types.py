@@ -65,6 +65,9 @@ class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Requests with one affinity key go to one server while it lives (the turns of an agent
+    # session share their prefix there); None: the rid is the key. Not sent to servers.
+    affinity: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"rid": self.rid, "input_ids": list(self.input_ids), "sampling": self.sampling.to_dict()}

@@ -138,9 +138,19 @@ class ActorConfig:
     # student's samples the gradient of k2 is that of the reverse KL; k3's is the forward
     # KL's; k1's is zero in expectation. Not used by on_policy (its advantage is -k1).
     distill_kl_estimator: Literal["k1", "k2", "k3"] = "k2"
+    # How new weights reach the inference servers after each step: disk (a versioned
+    # safetensors folder each server reloads) or broadcast (a process group of trainer rank
+    # 0 and the servers, in buckets of weight_update_bucket_mb MiB; weights/broadcast.py).
+    weight_update_mode: Literal["disk", "broadcast"] = "disk"
+    weight_update_bucket_mb: int = 256
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
+        _check(self.weight_update_mode in ("disk", "broadcast"),
+               f"actor.weight_update_mode must be one of ('disk', 'broadcast'), got "
+               f"{self.weight_update_mode!r}")
+        _check(self.weight_update_bucket_mb >= 1,
+               f"actor.weight_update_bucket_mb must be >= 1, got {self.weight_update_bucket_mb}")
         _check(self.eps_clip > 0, f"actor.eps_clip must be > 0, got {self.eps_clip}")
         _check(self.ppo_n_minibatches >= 1, f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
         _check(self.ppo_epochs >= 1, f"actor.ppo_epochs must be >= 1, got {self.ppo_epochs}")

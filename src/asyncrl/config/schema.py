@@ -29,7 +29,7 @@ from asyncrl.config.engine import MicroBatchSpec, OptimizerConfig, _check  # noq
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    n_nodes: int = 1  # more than one needs a multi-node scheduler (not available yet)
+    n_nodes: int = 1  # more than one needs scheduler.type ray or slurm
     n_gpus_per_node: int = 0  # 0: a CPU machine
     # Root of run directories: <fileroot>/<experiment_name>/<trial_name>/. Empty: the user
     # cache dir (~/.cache/asyncrl/experiments).
@@ -37,10 +37,33 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class RayConfig:
+    # An existing cluster to join ("auto", "ray://host:port", "host:port"); None starts a
+    # Ray instance on this machine.
+    address: Optional[str] = None
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: str = "24:00:00"  # sbatch --time of every job
+    extra_sbatch_args: list[str] = field(default_factory=list)  # e.g. ["--qos=high"]
+
+
+@dataclass(kw_only=True)
 class SchedulerConfig:
-    type: Literal["local"] = "local"
+    # Who starts the processes: local subprocesses, Ray actors, or Slurm jobs.
+    type: Literal["local", "ray", "slurm"] = "local"
+    # Where the trainer ranks run: `inline` in the controller process (one rank, local
+    # scheduler only), `service` as training-service processes (one per rank), `auto`:
+    # inline for one local rank, else service.
+    trainer: Literal["auto", "inline", "service"] = "auto"
+    # Seconds one call to the trainer ranks (a whole RL step, a save) may take.
+    trainer_timeout: float = 3600.0
     # CPU cores given to the inference server(s) and to the trainer. On a CPU machine both run
     # at once; None splits the machine's cores evenly. Servers are pinned to their cores.
+    # Under ray and slurm: the cores of each server and of each trainer rank (default 1).
     inference_threads: Optional[int] = None
     trainer_threads: Optional[int] = None
     # Seconds to wait for a server's /health before giving up (its log tail is shown).
@@ -211,6 +234,9 @@ class AgentConfig:
     export_style: Literal["tree", "individual"] = "tree"
     turn_discount: float = 1.0  # G_i = r_i + turn_discount * G_{i+1} over the completions
     session_timeout: float = 300.0  # an idle session ends as timed_out (never trained)
+    # The model's tool-call format: hermes | llama3_json | mistral; None reads it from the
+    # tokenizer's chat template (hermes when the template has no tool format).
+    tool_parser: Optional[str] = None
     # The proxy's address. 127.0.0.1 unless told otherwise; port 0 picks a free one.
     host: str = "127.0.0.1"
     port: int = 0
@@ -225,6 +251,9 @@ class AgentConfig:
         _check(self.timeout > 0, f"agent.timeout must be > 0, got {self.timeout}")
         _check(self.session_timeout > 0,
                f"agent.session_timeout must be > 0, got {self.session_timeout}")
+        _check(self.tool_parser in (None, "hermes", "llama3_json", "mistral"),
+               f"agent.tool_parser must be hermes, llama3_json, mistral or null, got "
+               f"{self.tool_parser!r}")
         _check(0 < self.turn_discount <= 1,
                f"agent.turn_discount must be in (0, 1], got {self.turn_discount}")
         _check(0 <= self.port < 65536, f"agent.port must be in [0, 65535], got {self.port}")
@@ -293,6 +322,8 @@ class ExperimentConfig:
     allocation_mode: Optional[str] = None
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)  # scheduler.type=ray
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # scheduler.type=slurm
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
@@ -313,10 +344,16 @@ class ExperimentConfig:
         _check(self.total_train_epochs >= 1, f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
         _check(self.total_train_steps is None or self.total_train_steps >= 1,
                f"total_train_steps must be >= 1 or null, got {self.total_train_steps}")
-        _check(self.cluster.n_nodes == 1,
+        _check(self.cluster.n_nodes >= 1, f"cluster.n_nodes must be >= 1, got {self.cluster.n_nodes}")
+        _check(self.cluster.n_nodes == 1 or self.scheduler.type != "local",
                f"cluster.n_nodes={self.cluster.n_nodes} but scheduler.type=local runs on one "
-               "machine; set cluster.n_nodes=1")
+               "machine; set cluster.n_nodes=1 or scheduler.type=ray|slurm")
         self._resolve_allocation()
+        _check(self.scheduler.trainer != "inline" or
+               (self.trainer_world_size == 1 and self.scheduler.type == "local"),
+               f"scheduler.trainer=inline runs one trainer rank in this process under the local "
+               f"scheduler, but allocation_mode={self.allocation_mode!r} and "
+               f"scheduler.type={self.scheduler.type}; use scheduler.trainer=service or auto")
         _check(bool(self.train_dataset.path) or self.online,
                "train_dataset.path is empty: give a JSONL file or folder, an HF dataset id, "
                "reasoning_gym:<task> or python:<module>:<function>")
@@ -407,10 +444,11 @@ class ExperimentConfig:
                    f"rollout.{key}={have} contradicts allocation_mode={self.allocation_mode!r} "
                    f"(which means {want}); drop rollout.{key} or make them agree")
         self.rollout.backend, self.rollout.n_servers = alloc.backend, alloc.n_servers
-        gpus = self.cluster.n_gpus_per_node
+        gpus = self.cluster.n_gpus_per_node * self.cluster.n_nodes
         _check(gpus == 0 or alloc.n_servers + alloc.trainer_world_size <= gpus,
                f"allocation_mode={self.allocation_mode!r} needs {alloc.n_servers} inference + "
-               f"{alloc.trainer_world_size} trainer GPUs but cluster.n_gpus_per_node={gpus}")
+               f"{alloc.trainer_world_size} trainer GPUs but cluster.n_nodes x "
+               f"cluster.n_gpus_per_node = {gpus}")
 
     @property
     def trainer_world_size(self) -> int:

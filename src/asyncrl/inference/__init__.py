@@ -3,7 +3,8 @@
 model.py (decoder forward + slot KV cache), sampling.py, engine.py (continuous batching,
 interruptible weight updates), server.py (aiohttp), client.py (RemoteInferenceEngine).
 Clients of other servers share base.py: vllm.py, sglang.py (resubmit.py stitches a
-generation across the aborts of a weight update); launch.py builds each server's command.
+generation across the aborts of a weight update). Server command lines live in
+`asyncrl.scheduler.commands`.
 Names are imported lazily so that importing the client does not load transformers.
 """
 
@@ -17,7 +18,7 @@ _EXPORTS = {
     "WeightUpdateError": "client", "LocalEngine": "engine", "Transformer": "model",
     "CheckpointError": "model", "serve": "server", "main": "server",
     "VLLMInferenceEngine": "vllm", "SGLangInferenceEngine": "sglang",
-    "client_class": "backends", "server_command": "launch",
+    "client_class": "backends",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -5,25 +5,35 @@ Public coroutines hand their work to that loop and await the result, so a client
 from any event loop in any thread (the rollout thread's loop, the trainer's
 `asyncio.run(...)`), and no session is ever bound to a loop that has since closed.
 
-Routing: a request goes to the least-busy live server, and a request id keeps its server
-(so a resubmitted or multi-turn request finds its prefix in that server's cache).
+Routing: a request goes to the least-busy live server, and a request id (or the request's
+affinity key: an agent session's) keeps its server, so a resubmitted request or the next
+turn of a session finds its prefix in that server's cache.
 
 Re-sync: the client remembers the last (path, version) it loaded. A server that cannot be
 reached is taken out of routing; `check_servers` (on demand, or every
 `health_check_interval` seconds) puts it back only once it answers its health check and
 holds that version, loading it first if the server came back with other weights.
+
+Weight sync by broadcast (weights/broadcast.py drives it): `init_weights_update_group`
+has the servers join the trainer's process group (server k is rank 1 + k; the trainer,
+rank 0, joins at the same time), and `update_weights_from_distributed` pauses every
+member, has it receive the trainer's buckets and serve them as version N, and resumes it,
+while the trainer broadcasts. A server that comes back after a broadcast holds no file to
+re-sync from: it stays out of routing and joins the group made for the next broadcast.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -36,6 +46,7 @@ T = TypeVar("T")
 _RETRY_BACKOFF_S = 0.25  # doubled after each failed connection attempt
 _MAX_PINNED_RIDS = 100_000  # rid -> server memory, oldest forgotten first
 _PROBE_TIMEOUT_S = 5.0
+GROUP_NAME = "weight_update_group"  # SGLang's default name of the weight-update group
 
 
 class InferenceServerError(InferenceError):
@@ -56,6 +67,18 @@ class ServerStatusError(InferenceServerError):
 
 class WeightUpdateError(InferenceServerError):
     """A weight update failed on a server; the message names the server, step and cause."""
+
+
+@dataclass(frozen=True)
+class WeightBroadcast:
+    """A weight update that comes by the trainer's broadcast, not from a folder.
+
+    `layout`: names, dtypes, shapes, byte offsets and tensors per bucket, as the fields of
+    SGLang's /update_weights_from_distributed body (weights/transport.py `BucketLayout`).
+    """
+
+    layout: dict[str, Any]
+    group_name: str = GROUP_NAME
 
 
 def normalise_address(address: str) -> str:
@@ -90,6 +113,10 @@ class HTTPInferenceEngine:
         self._down: dict[int, str] = {}  # server index -> why it left routing
         self._versions = [0] * n  # the weight version each server holds (0: the base model)
         self._synced: tuple[str, int] | None = None  # the last (path, version) loaded
+        self._broadcast_version: int | None = None  # the last version broadcast, if newer
+        self._group: list[int] = []  # servers in the weight-update group, in rank order
+        self._group_name: str | None = None
+        self._join_failed: set[int] = set()  # returning servers left out of the next group
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -102,8 +129,18 @@ class HTTPInferenceEngine:
         """Generate `req` on server `idx` (runs on the client loop)."""
         raise NotImplementedError
 
-    async def _update_one(self, idx: int, path: str, version: int) -> None:
-        """Pause, load `path` as `version`, resume on server `idx`; WeightUpdateError if not."""
+    async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
+        """Pause, load `path` (or receive a broadcast) as `version`, resume on server `idx`;
+        WeightUpdateError if not."""
+        raise NotImplementedError
+
+    def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
+                      group_name: str, backend: str, bucket_bytes: int) -> tuple[str, dict]:
+        """The (path, body) that has a server join the weight-update group as `rank`."""
+        raise NotImplementedError
+
+    def _leave_request(self, group_name: str) -> tuple[str, dict | None]:
+        """The (path, body) that has a server leave the weight-update group."""
         raise NotImplementedError
 
     async def _read_version(self, address: str) -> int:
@@ -143,6 +180,54 @@ class HTTPInferenceEngine:
         self._check_checkpoint(path, version)
         await self._on_client_loop(self._update_all(path, version))
 
+    async def reachable_servers(self) -> list[str]:
+        """The servers a new weight-update group should hold: every live one, and every one
+        out of routing that answers its health check now (the next broadcast re-syncs it)."""
+        return await self._on_client_loop(self._reachable())
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, *,
+                                        servers: list[str], bucket_bytes: int,
+                                        backend: str = "gloo",
+                                        group_name: str = GROUP_NAME) -> None:
+        """Have `servers` join the trainer's weight-update group, server k as rank 1 + k of
+        1 + len(servers); the trainer must host it as rank 0 meanwhile.
+
+        Each join waits for all ranks, up to `update_weights_timeout`. `bucket_bytes` is the
+        trainer's bucket size (vLLM reads it here). WeightUpdateError names the servers
+        that failed.
+        """
+        idx = [self.addresses.index(normalise_address(a)) for a in servers]
+        await self._on_client_loop(self._init_group(
+            idx, master_address, master_port, group_name, backend, bucket_bytes))
+
+    async def update_weights_from_distributed(self, layout: dict[str, Any], version: int, *,
+                                              group_name: str = GROUP_NAME) -> None:
+        """On every group member at once: pause, receive the trainer's broadcast of `layout`
+        (the layout fields of SGLang's /update_weights_from_distributed body), serve it as
+        `version`, resume; the trainer broadcasts meanwhile.
+
+        Each step is bounded by `update_weights_timeout`. A failed update leaves a server
+        with its old weights and version (ours; see each backend) and resumed, drops the
+        group (make a new one before the next broadcast), and raises WeightUpdateError
+        naming the servers, steps and causes.
+        """
+        broadcast = WeightBroadcast(layout, group_name)
+        await self._on_client_loop(self._update_all_broadcast(broadcast, version))
+
+    async def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
+        """Best effort: have every member leave the group (a dead one is not waited for)."""
+        await self._on_client_loop(self._leave_group(group_name))
+
+    @property
+    def weight_group(self) -> list[str]:
+        """Addresses of the weight-update group's servers in rank order (empty: no group)."""
+        return [self.addresses[i] for i in self._group]
+
+    @property
+    def weight_group_name(self) -> str | None:
+        """The name of the weight-update group the servers are in (None: none)."""
+        return self._group_name if self._group else None
+
     async def close(self) -> None:
         """Close the HTTP session and stop the client's loop thread."""
         if self._loop is None:
@@ -169,6 +254,13 @@ class HTTPInferenceEngine:
         await self._on_client_loop(self._check_servers())
         return self.live_servers
 
+    def replace_server(self, idx: int, address: str) -> None:
+        """Server `idx` now lives at `address` (restarted elsewhere): out of routing until
+        `check_servers` finds it healthy and re-synced."""
+        with self._lock:
+            self.addresses[idx] = normalise_address(address)
+            self._down[idx] = "restarted at a new address"
+
     async def wait_healthy(self, timeout: float) -> None:
         """Poll every server's health until all answer; InferenceServerError after `timeout` s."""
         deadline = time.monotonic() + timeout
@@ -189,10 +281,11 @@ class HTTPInferenceEngine:
     async def _route(self, req: GenerationRequest) -> GenerationResponse:
         self._start_health_task()
         while True:
-            idx = self._acquire(req.rid)
+            key = req.affinity or req.rid
+            idx = self._acquire(key)
             if idx is None:
                 await self._check_servers()  # a server may be back: try once before failing
-                idx = self._acquire(req.rid)
+                idx = self._acquire(key)
             if idx is None:
                 raise InferenceServerError(f"no live inference server: {self._down_detail()}")
             try:
@@ -202,13 +295,14 @@ class HTTPInferenceEngine:
                 if not self.live_servers:
                     raise
                 with self._lock:
-                    self._pinned.pop(req.rid, None)  # start again on another server
+                    self._pinned.pop(key, None)  # start again on another server
             finally:
                 with self._lock:
                     self._outstanding[idx] -= 1
 
     def _acquire(self, rid: str) -> int | None:
-        """The server for `rid` (its pinned one if live, else the least busy); None if none live."""
+        """The server for key `rid` (its pinned one if live, else the least busy); None if none
+        is live."""
         with self._lock:
             idx = self._pinned.get(rid)
             if idx is None or idx in self._down:
@@ -241,14 +335,89 @@ class HTTPInferenceEngine:
                                         f"server ({self._down_detail()})")
             results = await self._gather([self._update_server(i, path, version) for i in live])
             if any(r is None for r in results):
-                self._synced = (path, version)
+                self._synced, self._broadcast_version = (path, version), None
         errors = [r for r in results if isinstance(r, BaseException)]
+        # A server that could not be reached has left routing; it is loaded with this
+        # version before it serves again, so the others carry on without it.
+        lost = [e for i, e in zip(live, results) if isinstance(e, WeightUpdateError)
+                and isinstance(e.__cause__, ServerUnreachableError) and i in self._down]
+        if lost and len(lost) < len(live):
+            for e in lost:
+                logger.warning("weight update v%d skipped an unreachable server: %s", version, e)
+            errors = [e for e in errors if e not in lost]
         if len(errors) == 1:
             raise errors[0]
         if errors:
             raise WeightUpdateError("; ".join(str(e) for e in errors))
 
-    async def _update_server(self, idx: int, path: str, version: int) -> None:
+    async def _reachable(self) -> list[str]:
+        self._start_health_task()
+        returning = [i for i in sorted(self._down) if i not in self._join_failed]
+        self._join_failed = set()
+        healthy = await self._gather([self._probe(self.addresses[i]) for i in returning])
+        back = {i for i, ok in zip(returning, healthy) if ok is True}
+        return [a for i, a in enumerate(self.addresses) if i not in self._down or i in back]
+
+    async def _init_group(self, members: list[int], master_address: str, master_port: int,
+                          group_name: str, backend: str, bucket_bytes: int) -> None:
+        self._start_health_task()
+        async with self._get_update_lock():
+            self._group = []
+            if not members:
+                raise WeightUpdateError(f"weight-update group: no live inference server "
+                                        f"({self._down_detail()})")
+            world = 1 + len(members)
+            results = await self._gather([self._join(i, *self._join_request(
+                1 + k, world, master_address, master_port, group_name, backend, bucket_bytes))
+                for k, i in enumerate(members)])
+            failed = {i: r for i, r in zip(members, results) if isinstance(r, BaseException)}
+            if failed:
+                self._join_failed = set(failed) & set(self._down)  # not retried next time
+                raise WeightUpdateError("; ".join(str(e) for e in failed.values()))
+            self._group, self._group_name = members, group_name
+
+    async def _join(self, idx: int, path: str, body: dict) -> None:
+        address = self.addresses[idx]
+        try:
+            answer = await self._request(address, path, body, timeout=self.update_weights_timeout)
+        except InferenceServerError as e:
+            if isinstance(e, ServerUnreachableError):
+                self._mark_down(idx, str(e))
+            raise WeightUpdateError(f"{address} could not join the weight-update group: "
+                                    f"{e}") from e
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise WeightUpdateError(f"{address} could not join the weight-update group: "
+                                    f"{answer.get('message', answer)}")
+
+    async def _update_all_broadcast(self, broadcast: WeightBroadcast, version: int) -> None:
+        self._start_health_task()
+        async with self._get_update_lock():
+            members, self._group = self._group, []  # used once; kept only if all succeed
+            if not members:
+                raise WeightUpdateError(f"weight update to version {version}: no weight-update "
+                                        "group (init_weights_update_group first)")
+            results = await self._gather([self._update_server(i, broadcast, version)
+                                          for i in members])
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if not errors:
+                self._group = members
+                self._synced, self._broadcast_version = None, version
+                for i in members:
+                    if self._down.pop(i, None) is not None:
+                        logger.info("inference server %s is back in routing at version %d",
+                                    self.addresses[i], version)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise WeightUpdateError("; ".join(str(e) for e in errors))
+
+    async def _leave_group(self, group_name: str) -> None:
+        members, self._group = self._group, []
+        path, body = self._leave_request(group_name)
+        await self._gather([self._request(self.addresses[i], path, body, retries=0,
+                                          timeout=_PROBE_TIMEOUT_S) for i in members])
+
+    async def _update_server(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
         try:
             await self._update_one(idx, path, version)
         except WeightUpdateError as e:
@@ -285,6 +454,10 @@ class HTTPInferenceEngine:
                 logger.info("re-syncing %s from version %d to %d", address, held, self._synced[1])
                 await self._update_one(idx, *self._synced)
                 held = self._synced[1]
+            elif self._broadcast_version is not None and held != self._broadcast_version:
+                self._down[idx] = (f"back at weight version {held}, behind the broadcast "
+                                   f"{self._broadcast_version}; it rejoins with the next one")
+                return
         except InferenceServerError as e:
             self._down[idx] = f"back, but re-sync failed: {e}"
             return
@@ -374,6 +547,10 @@ class HTTPInferenceEngine:
                 raise InferenceServerError(f"{url} did not answer within {timeout}s") from e
             except aiohttp.ServerDisconnectedError as e:
                 raise ServerUnreachableError(f"{url}: the server disconnected ({e})") from e
+            except aiohttp.ClientOSError as e:
+                if e.errno in (errno.ECONNRESET, errno.EPIPE):  # its process went away
+                    raise ServerUnreachableError(f"{url}: the connection was reset ({e})") from e
+                raise InferenceServerError(f"{url} failed: {type(e).__name__}: {e}") from e
             except aiohttp.ClientError as e:
                 raise InferenceServerError(f"{url} failed: {type(e).__name__}: {e}") from e
         raise AssertionError("unreachable")

@@ -3,12 +3,15 @@
 Both paths run the same `IncrementalDetokenizer`, so the concatenated stream equals the
 non-streamed text by construction. It never emits part of a UTF-8 character (a byte-level
 token can hold half of one) and never emits text that may turn out to start a stop string.
+Special tokens decode to nothing, except those named in `keep` (tool-call markers such as
+`<|python_tag|>`, which the tool-call parser must see).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Collection
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
@@ -61,12 +64,14 @@ class IncrementalDetokenizer:
 
     Each step decodes a short window (the previous token for context, then the new ones),
     as vLLM does, so the cost per token stays constant and SentencePiece spaces come out
-    right. Special tokens (EOS) decode to nothing.
+    right. Special tokens (EOS) decode to nothing, except the ids in `keep`: their text stays.
     """
 
-    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (),
+                 keep: Collection[int] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.keep = frozenset(keep)
         self.ids: list[int] = []
         self.stopped = False  # a stop string was found; later tokens add no text
         self._prefix = 0  # window start: ids before it are already text
@@ -96,7 +101,17 @@ class IncrementalDetokenizer:
         return self._release(tail, final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not self.keep.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        # Decode around each kept token, so other special tokens are still skipped the
+        # tokenizer's own way (its `special` flag, which `all_special_ids` does not cover).
+        parts, start = [], 0
+        for i, t in enumerate(ids):
+            if t in self.keep:
+                parts += [self._decode(ids[start:i]), self.tokenizer.convert_ids_to_tokens(t)]
+                start = i + 1
+        parts.append(self._decode(ids[start:]))
+        return "".join(parts)
 
     def _release(self, delta: str, *, final: bool) -> str:
         text = self._pending + delta
@@ -124,10 +139,10 @@ def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
     return best
 
 
-def detokenize(tokenizer, ids: list[int], stop: list[str] | tuple[str, ...] = ()
-               ) -> tuple[str, list[int]]:
+def detokenize(tokenizer, ids: list[int], stop: list[str] | tuple[str, ...] = (),
+               keep: Collection[int] = ()) -> tuple[str, list[int]]:
     """The text of `ids` cut at the first stop string, and each token's offset into it."""
-    detok = IncrementalDetokenizer(tokenizer, stop)
+    detok = IncrementalDetokenizer(tokenizer, stop, keep)
     parts, offsets = [], []
     for tok in ids:
         offsets.append(detok.emitted)

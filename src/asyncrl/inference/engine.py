@@ -8,7 +8,10 @@ A weight update does not wait for generations to end: the new weights are read, 
 and prepared in the caller's thread (decoding goes on meanwhile), then swapped in at the
 next step boundary. In-flight sequences continue under the new weights and their later
 tokens carry the new version. With `recompute_kv_on_update`, their KV cache is recomputed
-first, so every later token is sampled exactly from the new policy.
+first, so every later token is sampled exactly from the new policy. The new weights are
+written into the buffers of the weights the previous update swapped out (one update at a
+time), and swapped in, with their version, only once every tensor has come: an update
+that fails half-way leaves the served weights and version as they were.
 
 `step()` can also be driven by hand (without `start()`), which makes tests deterministic.
 
@@ -29,14 +32,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.model import DTYPES, Transformer, Weights
+from asyncrl.inference.model import DTYPES, Transformer, Weights, hf_shapes, read_checkpoint
 from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample
 
 logger = logging.getLogger(__name__)
@@ -123,6 +126,8 @@ class LocalEngine:
         self._position = torch.zeros(n, dtype=torch.long, device=device)  # its position
 
         self._updates: list[tuple[Weights, int, concurrent.futures.Future]] = []
+        self._update_lock = threading.Lock()  # one update at a time: they share the spare
+        self._spare: Weights | None = None  # swapped out by the last update; written by the next
         self._paused = False
         self._stopping = False
         self._cond = threading.Condition()
@@ -215,16 +220,38 @@ class LocalEngine:
         only the swap waits for the step boundary. Raises (CheckpointError, OSError) without
         touching the weights or the version if the folder does not fit.
         """
-        with _single_threaded():  # the engine thread keeps the only OpenMP team
-            weights = self.model.read_weights(path)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._updates.append((weights, version, done))
-            self._cond.notify_all()
-        if self._thread is None:  # driven by hand: between two step() calls is a boundary
-            with self._step_lock:
-                self._apply_updates()
-        done.result()
+        tensors = read_checkpoint(path, hf_shapes(self.model.cfg))
+        self.load_weights(tensors.items(), version)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Weights from (HF name, tensor) pairs as they come (a file's, or a broadcast's
+        buckets as they arrive), served as `version` from the next step boundary on.
+
+        Each tensor is copied into place as it comes (decoding goes on meanwhile); the swap
+        happens once all have come. If the pairs raise, or a tensor is missing, unexpected or
+        mis-shaped (CheckpointError), the served weights and version stay as they were.
+        """
+        with self._update_lock:
+            with _single_threaded():  # the engine thread keeps the only OpenMP team
+                weights = self.model.new_weights(reuse=self._spare)
+                self._spare = weights  # still spare until it is swapped in
+                for name, tensor in named_tensors:
+                    weights.load(name, tensor)
+                weights.finish()
+            self._spare = None
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            with self._cond:
+                self._updates.append((weights, version, done))
+                self._cond.notify_all()
+            if self._thread is None:  # driven by hand: between two step() calls is a boundary
+                with self._step_lock:
+                    self._apply_updates()
+            done.result()
+
+    def weights_digest(self) -> dict:
+        """The served version and the sha256 of its weights (equal weights, equal digests)."""
+        with self._step_lock:  # not mid-swap
+            return {"version": self.version, "sha256": self.model.w.digest()}
 
     def stats(self) -> dict:
         """Counts for /health: running and waiting requests, paused flag, weight version."""
@@ -272,7 +299,7 @@ class LocalEngine:
         with self._cond:
             updates, self._updates = self._updates, []
         for weights, version, done in updates:
-            self.model.w = weights
+            self._spare, self.model.w = self.model.w, weights
             self.version = version
             if self.config.recompute_kv_on_update and self._active:
                 kv_tokens = [s.kv_tokens() for s in self._active]

@@ -16,6 +16,7 @@ decode attends over plain slices of the cache instead of gathering rows every st
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -167,8 +168,9 @@ def packed_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 
 def fits_kernels(cfg: ModelConfig) -> bool:
     """Whether every matrix of the model has the shape the packed matmul kernels take."""
-    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    rows = (q, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.vocab_size)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # q, k and v each whole blocks of 16 rows: `Weights.load` packs them one at a time.
+    rows = (q, kv, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.vocab_size)
     cols = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
     return all(n % 16 == 0 for n in rows) and cfg.intermediate_size % 16 == 0 and all(
         k % 2 == 0 for k in cols)
@@ -244,72 +246,198 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class Weights:
-    """All parameters, built from an HF state dict: fused, cast, and prepacked where possible.
+    """All parameters in the layout the forward reads: fused (q|k|v in one matrix, gate|up
+    in another), cast, and prepacked where possible.
 
+    Built from an HF state dict (`Weights(cfg, tensors, ...)`), or written one HF tensor at a
+    time (`load`, then `finish`) into buffers allocated up front (`Weights.empty`). A weight
+    update writes into the buffers of the weights the update before swapped out: no new
+    memory to fault in, and a tensor goes straight to its place (packed) in one copy.
     `pack`: "asyncrl" (PackedMatrix, for kernels/decode.c), "onednn", or None (plain);
     "auto" takes oneDNN's where this torch has it.
     """
 
-    @torch.inference_mode()
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str | torch.device = "cpu", pack: str | None = "auto"):
+        self._allocate(cfg, dtype, torch.device(device), pack)
+        for name, tensor in tensors.items():
+            self.load(name, tensor)
+        self.finish()
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
+              pack: str | None = "auto", reuse: Weights | None = None) -> Weights:
+        """Weights to `load` into: those of `reuse` if they have this layout, else new ones."""
         device = torch.device(device)
+        if pack == "auto":
+            pack = "onednn" if can_pack(dtype, device) else None
+        if reuse is not None and reuse._layout == (cfg, dtype, device, pack):
+            reuse._loaded.clear()
+            reuse.complete = False
+            return reuse
+        weights = cls.__new__(cls)
+        weights._allocate(cfg, dtype, device, pack)
+        return weights
+
+    @torch.inference_mode()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Write HF tensor `name` into its place; CheckpointError if the model has no such shape."""
+        write = self._writers.get(name)
+        if write is None:
+            # A tied checkpoint may still carry lm_head.weight; old ones carry rotary buffers.
+            if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+                return
+            raise CheckpointError(f"unexpected tensor {name!r} for this model")
+        if tuple(tensor.shape) != self._shapes[name]:
+            raise CheckpointError(f"mis-shaped tensor {name}: {tuple(tensor.shape)} != expected "
+                                  f"{self._shapes[name]}")
+        write(tensor)
+        self._loaded.add(name)
+
+    @torch.inference_mode()
+    def finish(self) -> None:
+        """After the last `load`: CheckpointError if a tensor is missing, else ready to use."""
+        missing = sorted(set(self._shapes) - self._loaded)
+        if missing:
+            raise CheckpointError(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for owner, attr, plain in self._reorder:  # oneDNN's layout is its own: made from the whole
+            setattr(owner, attr, torch.ops.mkldnn._reorder_linear_weight(plain, 1))
+        self.complete = True
+
+    def digest(self) -> str:
+        """sha256 of every buffer the forward reads: equal weights, equal digests."""
+        h = hashlib.sha256()
+        for t in self._storage:
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
+    @torch.inference_mode()
+    def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  pack: str | None) -> None:
         if pack == "auto":
             pack = "onednn" if can_pack(dtype, device) else None
         if pack not in ("asyncrl", "onednn", None):
             raise ValueError(f"pack={pack!r}: expected 'asyncrl', 'onednn', 'auto' or None")
         self.pack = pack
+        self.complete = False
+        self._layout = (cfg, dtype, device, pack)
+        self._shapes = hf_shapes(cfg)
+        self._loaded: set[str] = set()
+        self._writers: dict[str, Callable[[torch.Tensor], None]] = {}
+        self._reorder: list[tuple[Any, str, torch.Tensor]] = []  # oneDNN: made by `finish`
+        self._storage: list[torch.Tensor] = []  # every buffer, for `digest`
 
-        def get(*names: str) -> torch.Tensor:
-            return torch.cat([tensors[n] for n in names]).to(device=device, dtype=dtype)
+        def new(*shape: int) -> torch.Tensor:
+            t = (huge_empty(shape, dtype) if device.type == "cpu"
+                 else torch.empty(shape, dtype=dtype, device=device))
+            self._storage.append(t)
+            return t
+
+        def copy_into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
+            return lambda t: dst.copy_(t)
 
         # Our packed matrices go into one buffer on 2 MB pages (see `huge_empty`), each at a
-        # 64-byte aligned offset.
+        # 64-byte aligned offset; zeroed once so that the gaps hash the same (`digest`).
         def aligned(numel: int) -> int:
             return -(-numel // 32) * 32
 
         arena, offset = None, 0
         if pack == "asyncrl":
-            arena = huge_empty((sum(aligned(n * k) for n, k in packed_shapes(cfg)),), dtype)
+            arena = new(sum(aligned(n * k) for n, k in packed_shapes(cfg))).zero_()
 
-        def matrix(*names: str, silu: bool = False) -> torch.Tensor | PackedMatrix:
+        def matrix(owner: Any, attr: str, parts: list[tuple[str, int]], k: int,
+                   silu: bool = False) -> None:
+            """owner.attr = the matrix of `parts` (HF name, rows) stacked; a writer per part."""
             nonlocal offset
-            w = get(*names)
-            if pack == "asyncrl":
-                out = arena[offset:offset + w.numel()]
-                offset += aligned(w.numel())
-                return PackedMatrix.pack(w, silu=silu, out=out)
-            return torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack == "onednn" else w
+            n = sum(rows for _, rows in parts)
+            if pack == "asyncrl":  # [n / 16, k / 2, 16, 2]: rows in blocks of 16 (cpu.py)
+                data = arena[offset:offset + n * k].view(n // 16, k // 2, 16, 2)
+                offset += aligned(n * k)
+                setattr(owner, attr, PackedMatrix(data, n, k, silu))
+                # gate|up: gate's blocks and up's alternate (PackedMatrix.pack)
+                halves = data.view(n // 32, 2, k // 2, 16, 2) if silu else None
+                start = 0
+                for j, (name, rows) in enumerate(parts):
+                    dst = halves[:, j] if silu else data[start // 16:(start + rows) // 16]
+                    self._writers[name] = lambda t, dst=dst: _pack_rows(t.to(dtype), dst)
+                    start += rows
+                return
+            plain = new(n, k)
+            setattr(owner, attr, plain)
+            if pack == "onednn":
+                self._reorder.append((owner, attr, plain))
+            start = 0
+            for name, rows in parts:
+                self._writers[name] = copy_into(plain[start:start + rows])
+                start += rows
 
-        def optional(*names: str, silu: bool = False) -> torch.Tensor | None:
-            return PackedMatrix.pack_bias(get(*names), silu=silu) if names[0] in tensors else None
+        def vector(parts: list[tuple[str, int]], silu: bool = False) -> torch.Tensor:
+            """A (fused) bias or norm weight, a writer per part."""
+            out = new(sum(rows for _, rows in parts))
+            if silu and pack == "asyncrl":  # gate|up in the interleaved order of its matrix
+                for j, (name, rows) in enumerate(parts):
+                    self._writers[name] = lambda t, j=j: out.view(-1, 2, 16)[:, j].copy_(
+                        t.view(-1, 16))
+                return out
+            start = 0
+            for name, rows in parts:
+                self._writers[name] = copy_into(out[start:start + rows])
+                start += rows
+            return out
 
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
-        if cfg.tie_word_embeddings and pack is None:
-            self.lm_head = self.embed
+        h, hd, inter, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.embed = new(vocab, h)
+        self.norm = vector([("model.norm.weight", h)])
+        if cfg.tie_word_embeddings and pack == "asyncrl":  # packed again as the output matrix
+            matrix(self, "lm_head", [("model.embed_tokens.weight", vocab)], h)
+            pack_lm_head = self._writers["model.embed_tokens.weight"]
+
+            def write_embed(t: torch.Tensor) -> None:
+                self.embed.copy_(t)
+                pack_lm_head(t)
+
+            self._writers["model.embed_tokens.weight"] = write_embed
         else:
-            tied = cfg.tie_word_embeddings
-            self.lm_head = matrix("model.embed_tokens.weight" if tied else "lm_head.weight")
+            self._writers["model.embed_tokens.weight"] = copy_into(self.embed)
+            if not cfg.tie_word_embeddings:
+                matrix(self, "lm_head", [("lm_head.weight", vocab)], h)
+            elif pack == "onednn":
+                self._reorder.append((self, "lm_head", self.embed))
+            else:
+                self.lm_head = self.embed
         self.layers: list[LayerWeights] = []
         for n in range(cfg.num_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
-            self.layers.append(LayerWeights(
-                attn_norm=get(f"model.layers.{n}.input_layernorm.weight"),
-                mlp_norm=get(f"model.layers.{n}.post_attention_layernorm.weight"),
-                wqkv=matrix(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                wo=matrix(a + "o_proj.weight"),
-                w_gate_up=matrix(m + "gate_proj.weight", m + "up_proj.weight", silu=True),
-                w_down=matrix(m + "down_proj.weight"),
-                bqkv=optional(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
-                bo=optional(a + "o_proj.bias"),
-                b_gate_up=optional(m + "gate_proj.bias", m + "up_proj.bias", silu=True),
-                b_down=optional(m + "down_proj.bias"),
-                qk_norm=torch.cat([get(a + "q_norm.weight").expand(cfg.num_heads, -1),
-                                   get(a + "k_norm.weight").expand(cfg.num_kv_heads, -1)])
-                if cfg.qk_norm else None,
-            ))
-        # For the one-call decode step: each layer's 12 pointers, in kernels/decode.c's order.
+            lw = LayerWeights(
+                attn_norm=vector([(f"model.layers.{n}.input_layernorm.weight", h)]),
+                mlp_norm=vector([(f"model.layers.{n}.post_attention_layernorm.weight", h)]),
+                wqkv=None, wo=None, w_gate_up=None, w_down=None)
+            matrix(lw, "wqkv", [(a + "q_proj.weight", q), (a + "k_proj.weight", kv),
+                                (a + "v_proj.weight", kv)], h)
+            matrix(lw, "wo", [(a + "o_proj.weight", h)], q)
+            matrix(lw, "w_gate_up", [(m + "gate_proj.weight", inter),
+                                     (m + "up_proj.weight", inter)], h, silu=True)
+            matrix(lw, "w_down", [(m + "down_proj.weight", h)], inter)
+            if cfg.qkv_bias:
+                lw.bqkv = vector([(a + "q_proj.bias", q), (a + "k_proj.bias", kv),
+                                  (a + "v_proj.bias", kv)])
+            if cfg.o_bias:
+                lw.bo = vector([(a + "o_proj.bias", h)])
+            if cfg.mlp_bias:
+                lw.b_gate_up = vector([(m + "gate_proj.bias", inter),
+                                       (m + "up_proj.bias", inter)], silu=True)
+                lw.b_down = vector([(m + "down_proj.bias", h)])
+            if cfg.qk_norm:  # [heads + kv_heads, hd]: q_norm's row per query head, then k_norm's
+                norms = new(cfg.num_heads + cfg.num_kv_heads, hd)
+                self._writers[a + "q_norm.weight"] = lambda t, o=norms[:cfg.num_heads]: o.copy_(
+                    t.expand_as(o))
+                self._writers[a + "k_norm.weight"] = lambda t, o=norms[cfg.num_heads:]: o.copy_(
+                    t.expand_as(o))
+                lw.qk_norm = norms
+            self.layers.append(lw)
+        # For the one-call decode step: each layer's 12 pointers, in kernels/decode.c's order
+        # (the buffers stay where they are, so these hold for every later `load`).
         self.pointers = None
         if pack == "asyncrl":
             def ptr(t: torch.Tensor | PackedMatrix | None, row: int = 0) -> int:
@@ -318,12 +446,23 @@ class Weights:
                 t = t.data if isinstance(t, PackedMatrix) else t
                 return t[row].data_ptr() if t.dim() > 1 else t.data_ptr()
 
-            h = cfg.num_heads
+            heads = cfg.num_heads
             self.pointers = torch.tensor([
                 [ptr(lw.attn_norm), ptr(lw.wqkv), ptr(lw.bqkv), ptr(lw.qk_norm),
-                 ptr(lw.qk_norm, h) if lw.qk_norm is not None else 0, ptr(lw.wo), ptr(lw.bo),
+                 ptr(lw.qk_norm, heads) if lw.qk_norm is not None else 0, ptr(lw.wo), ptr(lw.bo),
                  ptr(lw.mlp_norm), ptr(lw.w_gate_up), ptr(lw.b_gate_up), ptr(lw.w_down),
                  ptr(lw.b_down)] for lw in self.layers], dtype=torch.int64)
+
+
+def _pack_rows(w: torch.Tensor, dst: torch.Tensor) -> None:
+    """Pack rows w [n, k] into dst [n / 16, k / 2, 16, 2] (PackedMatrix's layout).
+
+    Each pair of bf16 columns moves as one int32: the copy runs ~8x faster than with
+    2-element rows.
+    """
+    n, k = w.shape
+    src = w.contiguous().view(torch.int32).view(n // 16, 16, k // 2).transpose(1, 2)
+    dst.view(torch.int32)[..., 0].copy_(src)
 
 
 def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -342,21 +481,26 @@ def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
             tensors.update(load_file(f))
         except (OSError, SafetensorError) as e:  # e.g. a file still being written
             raise CheckpointError(f"cannot read {f!r}: {e}") from e
+    check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes, f"checkpoint {path!r}")
+    return tensors
+
+
+def check_tensors(found: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
+                  what: str) -> None:
+    """CheckpointError naming the missing, unexpected and mis-shaped tensors of `found`."""
     # A tied checkpoint may still carry lm_head.weight; old ones carry rotary buffers.
-    ignorable = {n for n in tensors if n.endswith("rotary_emb.inv_freq")}
+    ignorable = {n for n in found if n.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in shapes:
         ignorable.add("lm_head.weight")
-    missing = sorted(set(shapes) - set(tensors))
-    unexpected = sorted(set(tensors) - set(shapes) - ignorable)
-    bad_shapes = [f"{n}: {tuple(tensors[n].shape)} != expected {shape}"
-                  for n, shape in shapes.items()
-                  if n in tensors and tuple(tensors[n].shape) != shape]
-    problems = [f"{what} tensors {names[:5]}{' ...' if len(names) > 5 else ''}"
-                for what, names in (("missing", missing), ("unexpected", unexpected),
+    missing = sorted(set(shapes) - set(found))
+    unexpected = sorted(set(found) - set(shapes) - ignorable)
+    bad_shapes = [f"{n}: {tuple(found[n])} != expected {shape}"
+                  for n, shape in shapes.items() if n in found and tuple(found[n]) != shape]
+    problems = [f"{kind} tensors {names[:5]}{' ...' if len(names) > 5 else ''}"
+                for kind, names in (("missing", missing), ("unexpected", unexpected),
                                     ("mis-shaped", bad_shapes)) if names]
     if problems:
-        raise CheckpointError(f"checkpoint {path!r} does not fit the model: " + "; ".join(problems))
-    return tensors
+        raise CheckpointError(f"{what} does not fit the model: " + "; ".join(problems))
 
 
 def load_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
@@ -422,6 +566,10 @@ class Transformer:
         """
         tensors = read_checkpoint(path, hf_shapes(self.cfg))
         return Weights(self.cfg, tensors, self.dtype, self.device, pack=self.pack_mode())
+
+    def new_weights(self, reuse: Weights | None = None) -> Weights:
+        """Empty weights of this model to `load` into (`reuse`'s buffers where they fit)."""
+        return Weights.empty(self.cfg, self.dtype, self.device, pack=self.pack_mode(), reuse=reuse)
 
     def pack_mode(self) -> str | None:
         """How this model's weights are packed: for our kernels where they run, else oneDNN's."""

@@ -19,9 +19,11 @@ a stop string (which OpenAI's text leaves out) are in `token_ids` but not in `te
 Standard `logprobs` cover the same tokens; top-k alternatives are not computed
 (`top_logprobs` > 0 and `logprobs` > 0 on completions are rejected with a 400).
 
-Tool calls: see `tool_calls.py`; a parsed call ends the choice with finish_reason
-"tool_calls" (unless it hit the token limit: "length"). Streamed, text before the first
-`<tool_call>` goes out as it is made; the calls go out in the last chunk.
+Tool calls: see `tool_calls.py`. They are read in the chat template's own format (Hermes
+`<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`; `tool_parser` names one instead), from
+text that keeps the format's special marker tokens. A parsed call ends the choice with
+finish_reason "tool_calls" (unless it hit the token limit: "length"). Streamed, text before
+the first call goes out as it is made; the calls go out in the last chunk.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from asyncrl.inference.openai_protocol import (
     parse_completion,
     template_renders_tools,
 )
-from asyncrl.inference.tool_calls import ToolCallHold, parse_tool_calls
+from asyncrl.inference.tool_calls import HERMES, ToolCallHold, tool_format
 
 
 class StreamedToken(NamedTuple):
@@ -112,12 +114,17 @@ class OpenAIRoutes:
     """The /v1 routes of one served model."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_name: str, *,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tool_parser: str | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.native_tools = template_renders_tools(tokenizer)
+        # Unnamed, the format is the template's; a template that cannot render tools gets
+        # our Hermes system block, so the model is taught (and read) the Hermes form.
+        self.tool_format = tool_format(tokenizer, tool_parser) \
+            if tool_parser is not None or self.native_tools else HERMES
+        self.tool_marker_ids = self.tool_format.special_ids(tokenizer)
         self.created = int(time.time())
 
     def add_to(self, app: web.Application) -> None:
@@ -197,9 +204,16 @@ class OpenAIRoutes:
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": _finish(resp.stop_reason), **_extension(resp)}
 
+    def tool_text(self, ids: list[int], stop: list[str] | tuple[str, ...]) -> str:
+        """The text of completion `ids` with the tool-call markers kept, for `tool_format`."""
+        return detokenize(self.tokenizer, ids, stop, self.tool_marker_ids)[0]
+
     def _chat_choice(self, index: int, resp: GenerationResponse, job: Job) -> dict:
-        text, _ = detokenize(self.tokenizer, resp.output_ids, job.stop)
-        content, calls = parse_tool_calls(text) if job.tools else (text, [])
+        if job.tools:
+            text = self.tool_text(resp.output_ids, job.stop)
+            content, calls = self.tool_format.parse(text)
+        else:
+            content, calls = detokenize(self.tokenizer, resp.output_ids, job.stop)[0], []
         # OpenAI sends null content beside tool calls when the model wrote nothing else.
         message: dict[str, Any] = {"role": "assistant",
                                    "content": (content or None) if calls else content}
@@ -276,8 +290,9 @@ class OpenAIRoutes:
 
     async def _chat_chunks(self, index: int, stream: AsyncIterator, job: Job,
                            finals: list[GenerationResponse]) -> AsyncIterator[dict]:
-        detok = IncrementalDetokenizer(self.tokenizer, job.stop)
-        hold = ToolCallHold() if job.tools else None
+        detok = IncrementalDetokenizer(self.tokenizer, job.stop,
+                                       self.tool_marker_ids if job.tools else ())
+        hold = ToolCallHold(self.tool_format) if job.tools else None
         first = True
         async for item in stream:
             if isinstance(item, GenerationResponse):
@@ -302,7 +317,7 @@ class OpenAIRoutes:
         text, calls = detok.finish(), []
         if hold is not None:
             text = hold.push(text)
-            rest, calls = parse_tool_calls(hold.finish())
+            rest, calls = self.tool_format.parse(hold.finish())
             text += rest
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
@@ -397,8 +412,10 @@ def _usage(job: Job, resps: list[GenerationResponse]) -> dict[str, int]:
 
 
 def openai_app(engine: Any, tokenizer: Any, model_name: str, *, api_key: str | None = None,
-               max_model_len: int | None = None) -> web.Application:
+               max_model_len: int | None = None,
+               tool_parser: str | None = None) -> web.Application:
     """A stand-alone app serving the /v1 routes (the gateway's, and tests')."""
     app = web.Application(middlewares=[openai_auth(api_key)])
-    OpenAIRoutes(engine, tokenizer, model_name, max_model_len=max_model_len).add_to(app)
+    OpenAIRoutes(engine, tokenizer, model_name, max_model_len=max_model_len,
+                 tool_parser=tool_parser).add_to(app)
     return app

@@ -4,6 +4,11 @@
 
 Endpoints: POST /generate, /pause, /resume, /update_weights; GET /health, /version;
 and OpenAI's GET /v1/models, POST /v1/completions, /v1/chat/completions (openai_api.py).
+Weight sync by broadcast, with SGLang's names and bodies (weights/transport.py has the wire
+format): POST /init_weights_update_group joins the trainer's group, POST
+/update_weights_from_distributed receives every bucket and then serves the new weights
+under `weight_version` (all or nothing), POST /destroy_weights_update_group leaves it; GET
+/weights_checksum gives the served version and a sha256 of its weights.
 If $ASYNCRL_API_KEY is set, every endpoint but /health needs `Authorization: Bearer <key>`.
 Handlers never run model code: /generate awaits a future that the engine thread resolves
 (via call_soon_threadsafe); blocking engine calls run in the default executor.
@@ -13,22 +18,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.inference.cpu import huge_empty
 from asyncrl.inference.engine import LocalEngine
 from asyncrl.inference.http import serve_app
 from asyncrl.inference.local_backend import LocalBackend
+from asyncrl.inference.model import CheckpointError, check_tensors, hf_shapes
 from asyncrl.inference.openai_api import OpenAIRoutes, key_matches, unauthorized
+from asyncrl.weights import transport
 
 logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = {f.name: f.type for f in fields(SamplingParams)}
@@ -40,6 +51,12 @@ class BadRequest(ValueError):
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _failure(status: int, message: str) -> web.Response:
+    """An error in SGLang's shape ({"success": false, "message"}) and ours ({"error"})."""
+    return web.json_response({"success": False, "message": message, "error": message},
+                             status=status)
 
 
 def _is_int(x: Any) -> bool:
@@ -92,6 +109,24 @@ async def _json_body(request: web.Request) -> Any:
         raise BadRequest(f"body is not valid JSON: {e}") from None
 
 
+def _version(value: Any) -> int:
+    """A weight version given as an integer or, as SGLang sends it, a string of one."""
+    if _is_int(value):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    raise BadRequest(f"weight_version must be an integer (or a string of one), got {value!r}")
+
+
+def _field(body: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    value = body.get(key, default)
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise BadRequest(f"{key} must be {'an integer' if kind is int else f'a {kind.__name__}'}, "
+                         f"got {value!r}")
+    return value
+
+
 def _settle(fut: asyncio.Future, result: Any) -> None:
     if fut.done():  # the handler went away
         return
@@ -113,7 +148,15 @@ class InferenceServer:
             web.post("/generate", self.generate), web.post("/pause", self.pause),
             web.post("/resume", self.resume), web.post("/update_weights", self.update_weights),
             web.get("/health", self.health), web.get("/version", self.version),
+            web.post("/init_weights_update_group", self.init_weights_update_group),
+            web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
+            web.get("/weights_checksum", self.weights_checksum),
         ])
+        # Weight-update groups by name, with their timeout; one broadcast update at a time.
+        self._groups: dict[str, tuple[Any, float]] = {}
+        self._receiving = asyncio.Lock()
+        self._buffers: list[torch.Tensor] = []  # receive buffers, kept for the next update
         OpenAIRoutes(LocalBackend(engine), engine.tokenizer, model_name,
                      max_model_len=engine.config.max_seq_len).add_to(self.app)
 
@@ -169,6 +212,106 @@ class InferenceServer:
         except (OSError, ValueError) as e:  # unreadable folder, CheckpointError
             return _error(400, f"weight update to version {body['version']} failed: {e}")
         return web.json_response({"version": self.engine.version})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join the trainer's weight-update group as rank `rank_offset`, leaving any other
+        (SGLang's body; plus `timeout`, seconds for joining and for each later broadcast,
+        default 300)."""
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        address = _field(body, "master_address", str)
+        port, rank = _field(body, "master_port", int), _field(body, "rank_offset", int)
+        world = _field(body, "world_size", int)
+        name = _field(body, "group_name", str, transport.GROUP_NAME)
+        backend = _field(body, "backend", str, "gloo")
+        timeout = body.get("timeout", 300.0)
+        if not 1 <= rank < world:
+            raise BadRequest(f"rank_offset must be in [1, world_size), got {rank} of {world}")
+        if backend != "gloo":
+            raise BadRequest(f"backend must be 'gloo' (this server receives into CPU memory), "
+                             f"got {backend!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise BadRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+        for old in list(self._groups):  # a server is in one trainer's group at a time
+            self._leave(old)
+        join = functools.partial(transport.join_group, backend=backend, master_address=address,
+                                 master_port=port, rank=rank, world_size=world, group_name=name,
+                                 timeout=float(timeout))
+        try:
+            group = await asyncio.get_running_loop().run_in_executor(None, join)
+        except (RuntimeError, ValueError) as e:  # DistStoreError: the trainer never came
+            return _failure(500, f"joining weight-update group {name!r} at {address}:{port} as "
+                            f"rank {rank} of {world} failed: {e}")
+        self._groups[name] = (group, float(timeout))
+        return web.json_response({"success": True,
+                                  "message": f"joined {name!r} as rank {rank} of {world}"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive every bucket from the trainer, then serve the weights as `weight_version`.
+
+        The tensors go into spare buffers as their buckets arrive and are swapped in only
+        once all have come: if the trainer dies or stalls (past the group's timeout), the
+        update fails, the old weights and version stay, and the group is left (a new one
+        is made for the next update).
+        """
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        name = _field(body, "group_name", str, transport.GROUP_NAME)
+        version = _version(body.get("weight_version"))
+        try:
+            layout = transport.BucketLayout.from_body(body)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        if name not in self._groups:
+            return _failure(400, f"no weight-update group {name!r}: POST "
+                            "/init_weights_update_group first")
+        group, timeout = self._groups[name]
+        async with self._receiving:
+            try:  # before any byte comes: a layout that does not fit would derail the stream
+                check_tensors(dict(zip(layout.names, layout.shapes)),
+                              hf_shapes(self.engine.model.cfg), "the broadcast's layout")
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._receive, group, layout, timeout, version)
+            except (CheckpointError, RuntimeError) as e:
+                self._leave(name)  # its connections close: the trainer's side fails at once
+                message = f"weight update to version {version} by broadcast failed: {e}"
+                logger.warning("%s; still serving version %d", message, self.engine.version)
+                return _failure(400 if isinstance(e, CheckpointError) else 500, message)
+        return web.json_response({"success": True, "version": self.engine.version,
+                                  "message": f"received {len(layout.names)} tensors in "
+                                             f"{len(layout.buckets)} buckets"})
+
+    def _receive(self, group: Any, layout: transport.BucketLayout, timeout: float,
+                 version: int) -> None:
+        need = layout.buffer_sizes()  # two: the next bucket arrives while one is unpacked
+        if len(self._buffers) != len(need) or any(
+                b.numel() < n for b, n in zip(self._buffers, need)):
+            self._buffers = []  # freed before the new ones are made
+            self._buffers = [huge_empty((n,), torch.uint8) for n in need]
+        tensors = transport.receive_buckets(group, layout, self._buffers, timeout)
+        self.engine.load_weights(tensors, version)
+
+    def _leave(self, name: str) -> None:
+        """Forget group `name` and destroy it in the background (that may wait on a peer)."""
+        entry = self._groups.pop(name, None)
+        if entry is not None:
+            threading.Thread(target=transport.leave_group, args=(entry[0],), daemon=True).start()
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json_body(request) if request.can_read_body else {}
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        name = _field(body, "group_name", str, transport.GROUP_NAME)
+        if name not in self._groups:
+            return _failure(400, f"no weight-update group {name!r}")
+        self._leave(name)
+        return web.json_response({"success": True, "message": f"left {name!r}"})
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        digest = await asyncio.get_running_loop().run_in_executor(None, self.engine.weights_digest)
+        return web.json_response(digest)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "model": self.model_name, **self.engine.stats()})

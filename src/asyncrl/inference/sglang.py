@@ -8,6 +8,16 @@ Endpoints used (shapes from SGLang's http_server.py and io_struct.py):
   "abort" and their tokens so far (as vLLM's /pause); POST /continue_generation resumes.
 - POST /update_weights_from_disk {"model_path", "weight_version"} -> {"success", "message"}.
 - GET /get_model_info -> {"weight_version", ...}; GET /health.
+- Broadcast: POST /init_weights_update_group {"master_address", "master_port",
+  "rank_offset", "world_size", "group_name", "backend"}; then per bucket POST
+  /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+  "load_format": "flattened_bucket", "flush_cache", "weight_version"} while the trainer
+  broadcasts that bucket; POST /destroy_weights_update_group {"group_name"}.
+
+SGLang loads each bucket into the live model as it comes: a broadcast that fails half-way
+leaves a server with a mix of old and new weights under its old version. The client then
+leaves it paused (out of routing) rather than resuming it; it rejoins, and gets whole
+weights, with the next broadcast.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.api.types import GenerationRequest, StopReason
-from asyncrl.inference.base import InferenceServerError
+from asyncrl.inference.base import InferenceServerError, WeightBroadcast, WeightUpdateError
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
 
@@ -30,22 +40,43 @@ class SGLangInferenceEngine(ResubmittingEngine):
                                    timeout=self.request_timeout)
         return parse_generate(body, address)
 
-    async def _update_one(self, idx: int, path: str, version: int) -> None:
+    async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
         address, t = self.addresses[idx], self.update_weights_timeout
-        load = {"model_path": path, "weight_version": str(version)}
-        await self._update_steps(idx, version, [
-            ("pause_generation", lambda: self._request(
-                address, "/pause_generation", {"mode": "abort"}, timeout=t)),
-            ("update_weights_from_disk", lambda: self._load(address, load, t)),
-            ("continue_generation", lambda: self._request(
-                address, "/continue_generation", {}, timeout=t)),
-        ])
+        pause = ("pause_generation", lambda: self._request(
+            address, "/pause_generation", {"mode": "abort"}, timeout=t))
+        resume = ("continue_generation", lambda: self._request(
+            address, "/continue_generation", {}, timeout=t))
+        if not isinstance(path, WeightBroadcast):
+            load = {"model_path": path, "weight_version": str(version)}
+            await self._update_steps(idx, version, [pause, (
+                "update_weights_from_disk",
+                lambda: self._load(address, "/update_weights_from_disk", load, t)), resume])
+            return
+        buckets = bucket_bodies(path, version)
+        await self._update_steps(idx, version, [pause])
+        try:
+            for body in buckets:
+                await self._load(address, "/update_weights_from_distributed", body, t)
+        except InferenceServerError as e:
+            self._mark_down(idx, f"weights partly updated by a failed broadcast: {e}")
+            raise WeightUpdateError(f"weight update to version {version} failed on {address} "
+                                    f"at step 'update_weights_from_distributed' (left paused: "
+                                    f"its weights are partly updated): {e}") from e
+        await self._update_steps(idx, version, [resume])
 
-    async def _load(self, address: str, load: dict[str, Any], timeout: float) -> None:
-        body = await self._request(address, "/update_weights_from_disk", load, timeout=timeout)
+    async def _load(self, address: str, route: str, load: dict[str, Any], timeout: float) -> None:
+        body = await self._request(address, route, load, timeout=timeout)
         if not body.get("success", False):  # older servers answer 200 with success=false
-            raise InferenceServerError(f"{address}/update_weights_from_disk: "
-                                       f"{body.get('message', body)}")
+            raise InferenceServerError(f"{address}{route}: {body.get('message', body)}")
+
+    def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
+                      group_name: str, backend: str, bucket_bytes: int) -> tuple[str, dict]:
+        return "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+    def _leave_request(self, group_name: str) -> tuple[str, dict | None]:
+        return "/destroy_weights_update_group", {"group_name": group_name}
 
     async def _read_version(self, address: str) -> int:
         body = await self._request(address, "/get_model_info", None,
@@ -61,6 +92,21 @@ class SGLangInferenceEngine(ResubmittingEngine):
     async def _resume_one(self, address: str) -> Any:
         return await self._request(address, "/continue_generation", {},
                                    timeout=self.update_weights_timeout)
+
+
+def bucket_bodies(broadcast: WeightBroadcast, version: int) -> list[dict[str, Any]]:
+    """One /update_weights_from_distributed body per bucket of the broadcast, in order; the
+    last sets the version and flushes the cache."""
+    layout, bodies, first = broadcast.layout, [], 0
+    for k, count in enumerate(layout["buckets"]):
+        last = k == len(layout["buckets"]) - 1
+        part = slice(first, first + count)
+        bodies.append({"names": layout["names"][part], "dtypes": layout["dtypes"][part],
+                       "shapes": layout["shapes"][part], "group_name": broadcast.group_name,
+                       "load_format": "flattened_bucket", "flush_cache": last,
+                       **({"weight_version": str(version)} if last else {})})
+        first += count
+    return bodies
 
 
 def generate_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:

@@ -11,6 +11,17 @@ Endpoints used (the server needs VLLM_SERVER_DEV_MODE=1 for /collective_rpc):
   vLLM's `reload_weights` plus re-tying of shared weights (vllm_worker.py; the server is
   started with --worker-extension-cls asyncrl.inference.vllm_worker.WeightSyncExtension).
 - POST /update_weight_version {"new_version": "N"}; GET /weight_info -> {"weight_version"}.
+- Broadcast (vLLM's weight-transfer API; the server is started with --weight-transfer-config
+  '{"backend": "nccl"}', GPU only): POST /init_weight_transfer_engine {"init_info":
+  {"master_address", "master_port", "rank_offset", "world_size", "packed": true,
+  "packed_buffer_size_bytes", "packed_num_buffers"}}; per update POST
+  /start_weight_update, POST /update_weights {"update_info": {"names", "dtype_names",
+  "shapes"}} while the trainer broadcasts (NCCL, packed buckets cut where ours are: the same
+  size rule), POST /finish_weight_update {"weight_version": "N"}; POST
+  /shutdown_weight_transfer_engine. One worker per server (no TP/DP) is assumed: server k
+  is rank 1 + k. vLLM loads the packed buckets into the live model layer by layer as they
+  come (its layerwise reload): a broadcast that fails half-way leaves a mix, so the
+  client leaves that server paused, out of routing, until the next broadcast rejoins it.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.api.types import GenerationRequest, StopReason
-from asyncrl.inference.base import InferenceServerError
+from asyncrl.inference.base import InferenceServerError, WeightBroadcast, WeightUpdateError
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
 
@@ -33,8 +44,11 @@ class VLLMInferenceEngine(ResubmittingEngine):
                                    timeout=self.request_timeout)
         return parse_completion(body, address)
 
-    async def _update_one(self, idx: int, path: str, version: int) -> None:
+    async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
         address, t = self.addresses[idx], self.update_weights_timeout
+        if isinstance(path, WeightBroadcast):
+            await self._receive(idx, path, version)
+            return
         rpc = {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": path}, "timeout": t}
         await self._update_steps(idx, version, [
             ("pause", lambda: self._request(address, "/pause?mode=abort", None, timeout=t)),
@@ -43,6 +57,34 @@ class VLLMInferenceEngine(ResubmittingEngine):
                 address, "/update_weight_version", {"new_version": str(version)}, timeout=t)),
             ("resume", lambda: self._request(address, "/resume", None, timeout=t)),
         ])
+
+    async def _receive(self, idx: int, broadcast: WeightBroadcast, version: int) -> None:
+        address, t = self.addresses[idx], self.update_weights_timeout
+
+        def post(route: str, body: dict[str, Any] | None = None):
+            return lambda: self._request(address, route, body, timeout=t)
+
+        await self._update_steps(idx, version, [("pause", post("/pause?mode=abort"))])
+        try:
+            await post("/start_weight_update")()
+            await post("/update_weights", {"update_info": update_info(broadcast)})()
+            await post("/finish_weight_update", {"weight_version": str(version)})()
+        except InferenceServerError as e:
+            self._mark_down(idx, f"weights partly updated by a failed broadcast: {e}")
+            raise WeightUpdateError(f"weight update to version {version} failed on {address} "
+                                    f"while receiving the broadcast (left paused: its weights "
+                                    f"are partly updated): {e}") from e
+        await self._update_steps(idx, version, [("resume", post("/resume"))])
+
+    def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
+                      group_name: str, backend: str, bucket_bytes: int) -> tuple[str, dict]:
+        return "/init_weight_transfer_engine", {"init_info": {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank,
+            "world_size": world_size, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
+            "packed_num_buffers": 2}}
+
+    def _leave_request(self, group_name: str) -> tuple[str, dict | None]:
+        return "/shutdown_weight_transfer_engine", None
 
     async def _read_version(self, address: str) -> int:
         body = await self._request(address, "/weight_info", None,
@@ -58,6 +100,13 @@ class VLLMInferenceEngine(ResubmittingEngine):
 
     async def _resume_one(self, address: str) -> Any:
         return await self._request(address, "/resume", None, timeout=self.update_weights_timeout)
+
+
+def update_info(broadcast: WeightBroadcast) -> dict[str, Any]:
+    """vLLM's NCCL update info: the tensors in order (it cuts the buckets itself)."""
+    layout = broadcast.layout
+    return {"names": list(layout["names"]), "dtype_names": list(layout["dtypes"]),
+            "shapes": [list(s) for s in layout["shapes"]]}
 
 
 def completion_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:

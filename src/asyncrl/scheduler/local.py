@@ -1,8 +1,8 @@
-"""The `local` scheduler: inference servers (local, vLLM or SGLang) as subprocesses of the trainer.
+"""The `local` scheduler: every worker a subprocess of this one, on 127.0.0.1.
 
-It starts each server, waits for its /health (failing early, with the log's tail, if the
-process dies), keeps logs under <run>/logs/, and stops every child on exit, on Ctrl-C and
-when the trainer itself dies (PR_SET_PDEATHSIG), so no server outlives its run.
+It starts each worker, waits for its /health (failing early, with the log's tail, if the
+process dies), keeps logs under <run>/logs/<role>-<index>.log, and stops every child on
+exit, on Ctrl-C and when this process dies (PR_SET_PDEATHSIG), so none outlives its run.
 
 On a CPU machine generation and training run at the same time; each gets its own cores
 (affinity and thread count) instead of both oversubscribing the machine.
@@ -10,34 +10,34 @@ On a CPU machine generation and training run at the same time; each gets its own
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
-import signal
 import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
-from asyncrl.inference.launch import server_command
+from asyncrl.scheduler import process
+from asyncrl.scheduler.base import (
+    SchedulerError,
+    Worker,
+    WorkerSpec,
+    free_port,
+    health_ok,
+    log_tail,
+    port_is_free,
+    torch_env,
+    wait_healthy,
+    write_registry,
+)
+from asyncrl.scheduler.commands import inference_spec
+
+__all__ = ["LocalScheduler", "SchedulerError", "free_port", "split_cores"]
 
 logger = logging.getLogger(__name__)
-
-
-class SchedulerError(RuntimeError):
-    """A process could not be started or did not become healthy."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+HOST = "127.0.0.1"
 
 
 def split_cores(cores: list[int], inference_threads: int | None, trainer_threads: int | None,
@@ -61,55 +61,97 @@ def split_cores(cores: list[int], inference_threads: int | None, trainer_threads
     return [inference[i * per:(i + 1) * per] for i in range(n_servers)], trainer
 
 
-def _health_ok(body: bytes) -> bool:
-    """Ours answers {"status": "ok"}; vLLM an empty 200, SGLang an empty or text 200."""
-    try:
-        parsed = json.loads(body) if body.strip() else {}
-    except ValueError:
-        return True
-    return not isinstance(parsed, dict) or parsed.get("status", "ok") == "ok"
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the parent dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 @dataclass
-class ServerProcess:
-    address: str
-    proc: subprocess.Popen
-    log_path: Path
-    cores: list[int] = field(default_factory=list)
-    argv: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+class _Proc:
+    """A started worker and what it takes to start it again."""
 
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+    worker: Worker
+    proc: subprocess.Popen
+    cores: list[int]
+    env: dict[str, str] = field(default_factory=dict)  # scheduler-chosen: GPUs, rank variables
 
 
 class LocalScheduler:
-    """Starts, watches and stops the inference servers of one run."""
+    """Starts, watches and stops the subprocesses of one run."""
 
-    def __init__(self, cfg: SchedulerConfig, log_dir: Path) -> None:
+    def __init__(self, cfg: SchedulerConfig, run_dir: Path, *, log_dir: Path | None = None,
+                 ) -> None:
         self.cfg = cfg
-        self.log_dir = Path(log_dir)
-        self.servers: list[ServerProcess] = []
+        self.run_dir = Path(run_dir)
+        self.log_dir = Path(log_dir) if log_dir is not None else self.run_dir / "logs"
+        self.specs: dict[str, WorkerSpec] = {}
+        self.procs: dict[str, list[_Proc]] = {}
         self.trainer_cores: list[int] = []
         self._unpinned: tuple[set[int], int] | None = None  # affinity and threads before pinning
+        self._next_core = 0
+        self._next_gpu = 0
 
     def __enter__(self) -> LocalScheduler:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the Scheduler protocol ------------------------------------------------------------
+
+    def create_workers(self, spec: WorkerSpec) -> list[Worker]:
+        """Start `spec.count` subprocesses; return them once all are healthy."""
+        if spec.role in self.procs:
+            raise SchedulerError(f"role {spec.role!r} already has workers; delete them first")
+        cores = spec.cores or [self._take_cores(spec.cpus) for _ in range(spec.count)]
+        gpus = spec.gpu_ids or [self._take_gpus(spec.gpus) for _ in range(spec.count)]
+        rank_env: list[dict[str, str]] = [{} for _ in range(spec.count)]
+        if spec.torch_distributed:
+            master_port = free_port()
+            rank_env = [torch_env(r, ["local"] * spec.count, HOST, master_port)
+                        for r in range(spec.count)]
+        self.specs[spec.role], self.procs[spec.role] = spec, []
+        try:
+            for i in range(spec.count):
+                env = dict(rank_env[i])
+                if gpus[i]:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[i]))
+                self.procs[spec.role].append(self._spawn(spec, i, cores[i], env, free_port()))
+            self._wait_healthy(self.procs[spec.role])
+        except BaseException:
+            self.delete_workers(spec.role)
+            raise
+        self._write_registry()
+        return self.get_workers(spec.role)
+
+    def get_workers(self, role: str) -> list[Worker]:
+        return [p.worker for p in self.procs.get(role, [])]
+
+    def check_health(self, role: str) -> list[bool]:
+        path = self.specs[role].health_path
+        return [p.proc.poll() is None and (path is None or health_ok(p.worker.address, path))
+                for p in self.procs[role]]
+
+    def restart_worker(self, role: str, index: int) -> Worker:
+        """Stop worker `index` if it runs and start it again, on the same port when free."""
+        old = self.procs[role][index]
+        process.stop([old.proc])
+        port = old.worker.port if port_is_free(HOST, old.worker.port) else free_port()
+        self.procs[role][index] = new = self._spawn(self.specs[role], index, old.cores, old.env,
+                                                    port)
+        self._wait_healthy([new])
+        self._write_registry()
+        return new.worker
+
+    def delete_workers(self, role: str | None = None, timeout: float = 10.0) -> None:
+        roles = [r for r in self.procs if role is None or r == role]
+        if not roles:
+            return
+        process.stop([p.proc for r in roles for p in self.procs.get(r, [])], timeout)
+        for r in roles:
+            self.procs.pop(r, None)
+            self.specs.pop(r, None)
+        self._write_registry()
+
+    def close(self) -> None:
         self.stop_all()
+
+    # -- what trainers/rl.py, `asyncrl serve` and the tests call ---------------------------
 
     def launch_inference_servers(self, model_path: str, engine_cfg: LocalEngineConfig, *,
                                  n_servers: int, seed: int, backend: str = "local",
@@ -123,102 +165,102 @@ class LocalScheduler:
         cores = sorted(os.sched_getaffinity(0))
         server_cores, self.trainer_cores = split_cores(
             cores, self.cfg.inference_threads, self.cfg.trainer_threads, n_servers)
+        spec = inference_spec(backend, model_path, engine_cfg, n_servers=n_servers, seed=seed,
+                              device=device, cpus=len(server_cores[0]), extra_args=extra_args,
+                              cache_dir=str(self.log_dir / "vllm-cache"))
+        spec.cores = server_cores
         if device != "cpu":
             self.trainer_cores = []  # the trainer computes on its GPUs: leave its cores alone
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for i, my_cores in enumerate(server_cores):
-            my_device = f"cuda:{first_gpu + i}" if device == "cuda" else device
-            argv, env = self._command(i, backend, model_path, engine_cfg, my_cores, seed,
-                                      my_device, extra_args)
-            self.servers.append(self._spawn(i, argv, env, my_cores if device == "cpu" else []))
-        for server in self.servers:
-            self._wait_healthy(server)
-        return [s.address for s in self.servers]
+            spec.cores = [[] for _ in server_cores]
+        if device == "cuda":
+            spec.gpu_ids = [[first_gpu + i] for i in range(n_servers)]
+        return [w.address for w in self.create_workers(spec)]
 
-    def restart_server(self, index: int) -> ServerProcess:
+    def restart_server(self, index: int) -> Worker:
         """Start server `index` again, same command and port (after it died or was stopped)."""
-        old = self.servers[index]
+        old = self.procs["inference"][index]
         if old.proc.poll() is None:
-            raise SchedulerError(f"inference server {old.address} is still running (pid "
+            raise SchedulerError(f"inference server {old.worker.address} is still running (pid "
                                  f"{old.proc.pid}); stop it before restarting it")
-        self.servers[index] = self._spawn(index, old.argv, old.env, old.cores)
-        self._wait_healthy(self.servers[index])
-        return self.servers[index]
+        return self.restart_worker("inference", index)
 
-    def _command(self, index: int, backend: str, model_path: str, engine_cfg: LocalEngineConfig,
-                 cores: list[int], seed: int, device: str,
-                 extra_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-        port = free_port()
-        if backend == "local":
-            extra = ["--threads", str(len(cores)),
-                     "--max-batch-size", str(engine_cfg.max_batch_size),
-                     "--max-seq-len", str(engine_cfg.max_seq_len), "--seed", str(seed + index)]
-            if not engine_cfg.recompute_kv_on_update:
-                extra.append("--no-recompute-kv-on-update")
-        elif backend == "vllm":
-            extra = ["--max-model-len", str(engine_cfg.max_seq_len),
-                     "--max-num-seqs", str(engine_cfg.max_batch_size), "--seed", str(seed + index)]
-        else:
-            extra = ["--context-length", str(engine_cfg.max_seq_len),
-                     "--max-running-requests", str(engine_cfg.max_batch_size),
-                     "--random-seed", str(seed + index)]
-        argv, env = server_command(backend, model_path, "127.0.0.1", port,
-                                   dtype=engine_cfg.dtype, device=device,
-                                   extra=[*extra, *extra_args])
-        if device == "cpu":
-            env["OMP_NUM_THREADS"] = str(len(cores))
-            if backend == "vllm":
-                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-        if backend == "vllm":
-            env.setdefault("VLLM_CACHE_ROOT", str(self.log_dir / "vllm-cache"))
-        return argv, env
+    def stop_server(self, index: int, timeout: float = 10.0) -> None:
+        """Stop server `index` (and its children: vLLM runs its engine in a child process)."""
+        process.stop([self.procs["inference"][index].proc], timeout)
 
-    def _spawn(self, index: int, argv: list[str], env: dict[str, str],
-               cores: list[int]) -> ServerProcess:
-        log_path = self.log_dir / f"server-{index}.log"
-        log = open(log_path, "a")
+    def pin_trainer(self, cores: list[int] | None = None) -> int:
+        """Pin this process to the trainer's cores until `stop_all`; returns its thread count.
 
-        def preexec() -> None:
-            _die_with_parent()
-            if cores:
-                os.sched_setaffinity(0, cores)
-
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=preexec, start_new_session=True)
-        log.close()
-        port = argv[argv.index("--port") + 1]
-        logger.info("server %d: pid %d on cores %s, port %s, log %s",
-                    index, proc.pid, cores, port, log_path)
-        return ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, cores, argv, env)
-
-    def _wait_healthy(self, server: ServerProcess) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise SchedulerError(
-                    f"inference server {server.address} exited with code {server.proc.returncode} "
-                    f"during start-up; the end of {server.log_path}:\n{server.log_tail()}")
-            try:
-                with urllib.request.urlopen(server.address + "/health", timeout=2) as resp:
-                    if _health_ok(resp.read()):
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise SchedulerError(
-            f"inference server {server.address} was not healthy within "
-            f"scheduler.startup_timeout={self.cfg.startup_timeout} s; the end of "
-            f"{server.log_path}:\n{server.log_tail()}")
-
-    def pin_trainer(self) -> int:
-        """Pin this process to the trainer's cores until `stop_all`; returns its thread count."""
+        `cores`: those cores (default: what `launch_inference_servers` left the trainer).
+        """
         import torch
 
+        if cores is not None:
+            self.trainer_cores = list(cores)
         if self.trainer_cores:
             self._unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
             os.sched_setaffinity(0, self.trainer_cores)
             torch.set_num_threads(len(self.trainer_cores))
         return torch.get_num_threads()
+
+    def check_alive(self) -> None:
+        """Raise if a worker has died since start-up."""
+        for p in (p for procs in self.procs.values() for p in procs):
+            if p.proc.poll() is not None:
+                w = p.worker
+                raise SchedulerError(
+                    f"{w.role} {w.index} ({w.address}) died (exit code {p.proc.returncode}); "
+                    f"the end of {w.log_path}:\n{log_tail(w.log_path)}")
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """SIGTERM every worker, then SIGKILL what is left after `timeout` seconds."""
+        self.delete_workers(None, timeout)
+        self._unpin_trainer()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _spawn(self, spec: WorkerSpec, index: int, cores: list[int], env: dict[str, str],
+               port: int) -> _Proc:
+        values = {"host": HOST, "port": str(port), "index": str(index),
+                  "cpus": str(len(cores) or spec.cpus), "cores": ",".join(map(str, cores))}
+        full_env = dict(os.environ)
+        if cores:
+            full_env["OMP_NUM_THREADS"] = str(len(cores))
+        full_env.update(env)
+        full_env.update(spec.environment(values))
+        log_path = self.log_dir / f"{spec.role}-{index}.log"
+        proc = process.spawn(spec.argv(index, values), full_env, log_path, cores)
+        logger.info("%s %d: pid %d on cores %s, port %d, log %s",
+                    spec.role, index, proc.pid, cores, port, log_path)
+        host = socket.gethostname()
+        worker = Worker(role=spec.role, index=index, host=HOST, port=port,
+                        address=f"http://{HOST}:{port}", node_id=host, pid=proc.pid,
+                        log_path=str(log_path), hostname=host)
+        return _Proc(worker, proc, cores, env)
+
+    def _wait_healthy(self, procs: list[_Proc]) -> None:
+        by_worker = {id(p.worker): p.proc for p in procs}
+
+        def exited(w: Worker) -> str | None:
+            code = by_worker[id(w)].poll()
+            return None if code is None else f"exited with code {code}"
+
+        spec = self.specs[procs[0].worker.role]
+        wait_healthy([p.worker for p in procs], health_path=spec.health_path,
+                     timeout=self.cfg.startup_timeout, exited=exited,
+                     tail=lambda w: log_tail(w.log_path))
+
+    def _take_cores(self, n: int) -> list[int]:
+        """The next `n` of this process's cores, wrapping round (0: not pinned)."""
+        cores = sorted(os.sched_getaffinity(0))
+        taken = [cores[(self._next_core + i) % len(cores)] for i in range(n)]
+        self._next_core += n
+        return taken
+
+    def _take_gpus(self, n: int) -> list[int]:
+        taken = list(range(self._next_gpu, self._next_gpu + n))
+        self._next_gpu += n
+        return taken
 
     def _unpin_trainer(self) -> None:
         """Give the process its cores back (a later run in this process splits them anew)."""
@@ -230,42 +272,6 @@ class LocalScheduler:
             torch.set_num_threads(threads)
             self._unpinned = None
 
-    def check_alive(self) -> None:
-        """Raise if a server has died since start-up."""
-        for server in self.servers:
-            if server.proc.poll() is not None:
-                raise SchedulerError(
-                    f"inference server {server.address} died (exit code "
-                    f"{server.proc.returncode}); the end of {server.log_path}:\n{server.log_tail()}")
-
-    def stop_server(self, index: int, timeout: float = 10.0) -> None:
-        """Stop server `index` (and its children: vLLM runs its engine in a child process)."""
-        _stop([self.servers[index]], timeout)
-
-    def stop_all(self, timeout: float = 10.0) -> None:
-        """SIGTERM every server, then SIGKILL what is left after `timeout` seconds."""
-        _stop(self.servers, timeout)
-        self.servers = []
-        self._unpin_trainer()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the server's process group (each server leads its own session)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _stop(servers: list[ServerProcess], timeout: float) -> None:
-    for server in servers:
-        if server.proc.poll() is None:
-            _signal_group(server.proc, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for server in servers:
-        try:
-            server.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(server.proc, signal.SIGKILL)
-            server.proc.wait()
-        _signal_group(server.proc, signal.SIGKILL)  # children the server left behind
+    def _write_registry(self) -> None:
+        write_registry(self.run_dir, "local",
+                       [p.worker for procs in self.procs.values() for p in procs])

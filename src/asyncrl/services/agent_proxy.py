@@ -18,8 +18,9 @@ prompt and output ids, log-probs and weight versions (`agents/capture.py`).
   of its session gets the first request's samples again (awaiting them if still running),
   not new ones.
 - History: an assistant message the proxy itself returned is rendered as the model wrote
-  it (its raw text, tool calls included), so the next turn's prompt extends the sampled
-  tokens exactly whenever the tokenizer round-trips that text.
+  it (its raw text, tool calls and their marker tokens such as `<|python_tag|>` included),
+  so the next turn's prompt extends the sampled tokens exactly whenever the tokenizer
+  round-trips that text. `tool_parser` names the tool-call format (default: the template's).
 - Idle sessions end after `session_timeout` seconds with status `timed_out`; a session
   more than `max_session_version_lag` versions behind the served weights ends with status
   `version_lag` and its requests get 409. Both are counted and logged, never trained.
@@ -50,7 +51,6 @@ from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.inference.detokenize import detokenize
 from asyncrl.inference.openai_api import OpenAIRoutes, _checked_body, _json_or_none
 from asyncrl.inference.openai_protocol import OpenAIError
-from asyncrl.inference.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
 _MAX_ENDED_KEYS = 100_000  # keys of ended sessions remembered, to answer 409 rather than 401
@@ -106,7 +106,9 @@ class RecordingEngine:
         futures = rec.session.retry_cache.setdefault(rec.key, [])
         if rec.replay and index < len(futures):
             return await asyncio.shield(futures[index])
-        req = dataclasses.replace(req, sampling=_override(req.sampling, rec.session.sampling))
+        # The session's turns go to one server, where their shared prefix is.
+        req = dataclasses.replace(req, sampling=_override(req.sampling, rec.session.sampling),
+                                  affinity=rec.session.id)
         future = asyncio.get_running_loop().create_future()
         if index < len(futures):
             futures[index] = future
@@ -171,7 +173,8 @@ class AgentProxy:
                  version: Callable[[], int] = lambda: 0, session_timeout: float = 600.0,
                  max_session_version_lag: int | None = None, max_model_len: int | None = None,
                  sampling: dict[str, Any] | None = None,
-                 on_end: Callable[[Session], None] | None = None) -> None:
+                 on_end: Callable[[Session], None] | None = None,
+                 tool_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.admin_key = admin_key
@@ -183,7 +186,7 @@ class AgentProxy:
         self.store = SessionStore(on_end=self._ended)
         self.admission = admission or SessionLimit(self.store, 256)
         self.routes = OpenAIRoutes(RecordingEngine(engine), tokenizer, model_name,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, tool_parser=tool_parser)
         self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0}
         self._raw: dict[str, dict[str, str]] = {}  # session id -> assistant key -> raw text
         self._ended_keys: OrderedDict[str, str] = OrderedDict()  # key -> session id
@@ -479,15 +482,18 @@ class AgentProxy:
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
         record = {k: body[k] for k in ("messages", "tools", "prompt") if k in body}
+        # Parsed as the routes parsed it, so the key matches the message the client got back.
+        tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         for _, resp in sorted(rec.responses, key=lambda x: x[0]):
-            text, _ = detokenize(self.tokenizer, resp.output_ids, stop)
+            text = self.routes.tool_text(resp.output_ids, stop) if tools \
+                else detokenize(self.tokenizer, resp.output_ids, stop)[0]
             c = Completion(id=f"{session.id}-{len(session.completions)}",
                            prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids),
                            logprobs=list(resp.output_logprobs),
                            versions=list(resp.output_versions), stop_reason=resp.stop_reason,
                            route=route, request=record, text=text)
             session.completions.append(c)
-            content, calls = parse_tool_calls(text) if body.get("tools") else (text, [])
+            content, calls = self.routes.tool_format.parse(text) if tools else (text, [])
             self._raw.setdefault(session.id, {})[_assistant_key(content, calls)] = text
 
 
@@ -515,7 +521,8 @@ async def _rl_body(request: web.Request, allowed: set[str]) -> dict | web.Respon
 async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: str | None,
                 host: str, port: int, admin_key: str, export_dir: str | None,
                 session_timeout: float = 600.0, max_sessions: int = 256,
-                max_model_len: int | None = None, startup_timeout: float = 60.0) -> None:
+                max_model_len: int | None = None, startup_timeout: float = 60.0,
+                tool_parser: str | None = None) -> None:
     """The proxy in front of the inference server at `url`, without a trainer, until signalled.
 
     Each finished session is written to `export_dir` (sessions.jsonl, trajectories.jsonl).
@@ -534,7 +541,7 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
     writer = SessionWriter(export_dir) if export_dir else None
     proxy = AgentProxy(engine, tok, model_name or tokenizer, admin_key=admin_key,
                        session_timeout=session_timeout, max_model_len=max_model_len,
-                       on_end=writer)
+                       on_end=writer, tool_parser=tool_parser)
     proxy.admission = SessionLimit(proxy.store, max_sessions)
     logger.info("%s", check_template_drift(tok, proxy.routes.native_tools).describe())
     stop = asyncio.Event()
@@ -568,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--session-timeout", type=float, default=600.0)
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                   help="the model's tool-call format (default: read from its chat template)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     args = p.parse_args(argv)
@@ -578,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
                       model_name=args.model_name, host=args.host, port=args.port,
                       admin_key=args.admin_key, export_dir=args.export_dir,
                       session_timeout=args.session_timeout, max_sessions=args.max_sessions,
-                      max_model_len=args.max_model_len))
+                      max_model_len=args.max_model_len, tool_parser=args.tool_parser))
 
 
 if __name__ == "__main__":

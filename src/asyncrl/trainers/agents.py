@@ -45,7 +45,8 @@ class AgentRuntime:
             version=version, session_timeout=a.session_timeout,
             max_session_version_lag=cfg.rollout.max_session_version_lag,
             max_model_len=cfg.local_engine.max_seq_len,
-            sampling=forced_sampling(cfg, tokenizer.eos_token_id), on_end=writer)
+            sampling=forced_sampling(cfg, tokenizer.eos_token_id), on_end=writer,
+            tool_parser=a.tool_parser)
         if a.mode == "subprocess":
             agent = SubprocessAgent(a.command, timeout=a.timeout)
         elif a.mode == "inline":

@@ -16,30 +16,37 @@ import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from asyncrl.api import TrainEngine
 from asyncrl.rollout import RolloutController
 
 _DONE = "COMPLETE"
+
+
+class StatefulTrainer(Protocol):
+    def save_state(self, path: str) -> None: ...
+
+    def load_state(self, path: str) -> None: ...
 
 
 def has_checkpoint(root: Path) -> bool:
     return (Path(root) / _DONE).exists()
 
 
-def save_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutController,
-                    trainer_state: dict[str, Any], critic: TrainEngine | None = None) -> None:
-    """Write a complete checkpoint to `root` (replacing the previous one)."""
+def save_checkpoint(root: Path, *, trainer: StatefulTrainer, rollout: RolloutController,
+                    trainer_state: dict[str, Any]) -> None:
+    """Write a complete checkpoint to `root` (replacing the previous one).
+
+    `trainer` (every rank, in process or through the training service) writes its engines'
+    state under `root`; the controller adds the rollout state, its RNG and counters.
+    """
     root = Path(root)
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    actor.save_state(str(tmp / "actor"))
-    if critic is not None:
-        critic.save_state(str(tmp / "critic"))
+    trainer.save_state(str(tmp))
     with open(tmp / "rollout.pkl", "wb") as f:
         pickle.dump(rollout.state_dict(), f)
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -55,19 +62,13 @@ def save_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutControlle
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(root: Path, *, actor: TrainEngine, rollout: RolloutController,
-                    critic: TrainEngine | None = None) -> dict[str, Any]:
-    """Restore `actor`, `critic` and `rollout` from `root`; returns the trainer's counters."""
+def load_checkpoint(root: Path, *, trainer: StatefulTrainer,
+                    rollout: RolloutController) -> dict[str, Any]:
+    """Restore the trainer's engines and `rollout` from `root`; returns the trainer's counters."""
     root = Path(root)
     if not has_checkpoint(root):
         raise FileNotFoundError(f"no complete recover checkpoint in {root}")
-    if critic is not None and not (root / "critic").is_dir():
-        raise FileNotFoundError(f"the recover checkpoint in {root} has no critic state (it was "
-                                "written by a run without `critic`); start a fresh trial or "
-                                "drop the critic section")
-    actor.load_state(str(root / "actor"))
-    if critic is not None:
-        critic.load_state(str(root / "critic"))
+    trainer.load_state(str(root))
     with open(root / "rollout.pkl", "rb") as f:
         rollout.load_state_dict(pickle.load(f))
     with open(root / "rng.pkl", "rb") as f:

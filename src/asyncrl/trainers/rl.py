@@ -8,35 +8,27 @@ publishes the new weights to the servers (which switch mid-generation) and logs.
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import time
 from typing import Any
 
-from asyncrl.algorithms import (
-    compute_advantages_and_returns,
-    make_ppo_loss_fn,
-    mean_token_kl,
-    with_distillation,
-)
-from asyncrl.algorithms.advantages import in_reward_kl_logprobs
-from asyncrl.api import Batch
+from asyncrl.api import Batch, Trainer
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
-from asyncrl.scheduler import LocalScheduler
+from asyncrl.scheduler.base import Scheduler, SchedulerError, log_tail, make_scheduler
+from asyncrl.services.training import TrainingServiceError
 from asyncrl.trainers import recover
 from asyncrl.trainers.agents import AgentRuntime
-from asyncrl.trainers.critic import Critic
+from asyncrl.trainers.launch import launch
 from asyncrl.trainers.paths import RunPaths, setup_logging
 from asyncrl.trainers.periodic import Periodic
-from asyncrl.training import FSDPTrainEngine
-from asyncrl.training.frozen import check_teacher_vocab, make_ref_engine, make_teacher_engine
-from asyncrl.training.updates import train_epochs
-from asyncrl.weights import WeightPublisher
+from asyncrl.training.worker import RLWorker
+from asyncrl.weights import make_publisher, transfer_backend
 from asyncrl.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
@@ -46,40 +38,42 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run asynchronous RL as `cfg` says; returns the summary (evaluations, run dir)."""
     paths = RunPaths.from_config(cfg)
     setup_logging(paths.root)
-    (paths.root / "config.yaml").write_text(to_yaml(cfg))
-    with LocalScheduler(cfg.scheduler, paths.logs) as scheduler:
-        _check_world_size(cfg)
-        model_path = resolve_model_path(cfg.actor.path)
-        addresses = scheduler.launch_inference_servers(
-            model_path, cfg.local_engine, n_servers=cfg.rollout.n_servers, seed=cfg.seed,
-            backend=cfg.rollout.backend, device="cuda" if cfg.cluster.n_gpus_per_node else "cpu",
-            first_gpu=cfg.trainer_world_size, extra_args=cfg.rollout.server_args)
-        scheduler.pin_trainer()
-        trainer = RLTrainer(cfg, paths, addresses)
+    (paths.root / "config.yaml").write_text(to_yaml(cfg))  # the training service reads it
+    with make_scheduler(cfg.scheduler, cfg.cluster, paths.root, ray_cfg=cfg.ray,
+                        slurm_cfg=cfg.slurm) as scheduler:
+        services = launch(cfg, paths, scheduler)
+        trainer = RLTrainer(cfg, paths, services.inference, services.trainer,
+                            scheduler=scheduler)
+        trainer.summary["services"] = [
+            {"role": w.role, "index": w.index, "address": w.address, "node_id": w.node_id}
+            for role in ("inference", "trainer") for w in scheduler.get_workers(role)]
         try:
             return trainer.train()
-        except RolloutError:
-            scheduler.check_alive()  # a dead server explains it best, with its log's tail
+        except (RolloutError, TrainingServiceError):
+            _raise_if_dead(scheduler)  # a dead process explains it best, with its log's tail
             raise
         finally:
             trainer.close()
 
 
-def _check_world_size(cfg: ExperimentConfig) -> None:
-    """allocation_mode's fsdp:d<M> must be the world this process was launched in."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.trainer_world_size:
-        raise ValueError(f"allocation_mode={cfg.allocation_mode!r} asks for "
-                         f"{cfg.trainer_world_size} trainer ranks but this process runs in a "
-                         f"world of {world}; launch with torchrun --nproc-per-node "
-                         f"{cfg.trainer_world_size} or change allocation_mode")
+def _raise_if_dead(scheduler: Scheduler) -> None:
+    for role in ("inference", "trainer"):
+        workers = scheduler.get_workers(role)
+        for worker, ok in zip(workers, scheduler.check_health(role) if workers else []):
+            if not ok:
+                raise SchedulerError(f"{role} {worker.index} ({worker.address}) is down; the "
+                                     f"end of {worker.log_path}:\n{log_tail(worker.log_path)}")
 
 
 class RLTrainer:
-    def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str]) -> None:
+    def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str],
+                 trainer: Trainer | None = None, scheduler: Scheduler | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
+        self.scheduler = scheduler  # restarts dead inference servers (None: nobody does)
+        self.server_restarts = 0
+        self._failed_checks: dict[int, int] = {}  # server -> health checks failed in a row
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.engine = client_class(cfg.rollout.backend)(
             addresses, request_timeout=cfg.rollout.request_timeout,
@@ -112,26 +106,21 @@ class RLTrainer:
         if self.agents is not None:
             self.agents.attach(self.rollout)
         self.valid_items = (held_out(load_dataset(cfg.valid_dataset), train_items)
-                            if cfg.valid_dataset else [])
+            if cfg.valid_dataset else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
-        # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
-        self.actor = FSDPTrainEngine(cfg.actor, seed=cfg.seed,
-                                     total_steps=self.total_steps * cfg.actor.updates_per_batch)
-        self.actor.initialize()
-        self.ref = make_ref_engine(cfg)
-        if self.ref is not None:
-            self.ref.initialize()
-        self.teacher = make_teacher_engine(cfg)
-        if self.teacher is not None:
-            self.teacher.initialize()
-            check_teacher_vocab(self.tokenizer, self.teacher)
-        self.critic = Critic.from_config(cfg, self.total_steps)  # None: no value model
-        # One optimiser step per batch: the proximal log-probs come from the training forward.
-        self.prox_in_loss = cfg.actor.recompute_logprob and cfg.actor.updates_per_batch == 1
-        self.loss_fn = with_distillation(
-            make_ppo_loss_fn(cfg.actor, prox_is_current=self.prox_in_loss), cfg.actor)
-        self.publisher = WeightPublisher(paths.weights, self.engine,
-                                         dtype=cfg.local_engine.dtype, run=self.rollout.run_coroutine)
+        # The trainer ranks: this process (inline) or the training service's processes.
+        self.trainer = trainer if trainer is not None else RLWorker(cfg)
+        self.trainer.initialize(self.total_steps)
+        sender, master = None, "127.0.0.1"
+        if cfg.actor.weight_update_mode == "broadcast":
+            sender, master = self.trainer.weight_sender(
+                transfer_backend(cfg.rollout.backend, cuda=cfg.cluster.n_gpus_per_node > 0),
+                cfg.local_engine.dtype)
+        self.publisher = make_publisher(
+            cfg.actor.weight_update_mode, self.engine, root=paths.weights,
+            dtype=cfg.local_engine.dtype, bucket_mb=cfg.actor.weight_update_bucket_mb,
+            timeout=cfg.rollout.update_weights_timeout, master_address=master, sender=sender,
+            run=self.rollout.run_coroutine)
         self.stats = StatsLogger(paths.root, cfg.stats_logger,
                                  resume=recover.has_checkpoint(paths.recover))
         self.saver = Periodic(cfg.saver, steps_per_epoch)
@@ -159,7 +148,7 @@ class RLTrainer:
             self.summary["agent_base_url"] = url
             logger.info("agent proxy: %s (%s mode)", url, a.mode)
         if step > 0:  # the servers start from the base model: give them the resumed weights
-            self.publisher.publish(self.actor, version=step)
+            self.publisher.publish(self.trainer, version=step)
         elif self.cfg.evaluator.before_training and self.valid_items:
             self._evaluate(step, "eval_before")
         self.rollout.resume()
@@ -171,10 +160,12 @@ class RLTrainer:
             with timer("train_s"):
                 stats |= self._train_step(batch)
             with timer("publish_s"):
-                stats |= self.publisher.publish(self.actor, version=step + 1)
+                stats |= self.publisher.publish(self.trainer, version=step + 1)
             self.rollout.set_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
+            stats["inference/server_restarts"] = float(self._restart_dead_servers())
+            self._record_batch(step, batch)
             if self.agents is not None:
                 stats |= self.agents.stats()
             self.stats.log(step, stats)
@@ -188,34 +179,42 @@ class RLTrainer:
         return self.summary
 
     def _train_step(self, batch: Batch) -> dict[str, float]:
-        tb = batch.to_tensors(self.tokenizer.pad_token_id or 0)
-        if self.cfg.actor.recompute_logprob and not self.prox_in_loss:
-            tb.prox_logprobs = self.actor.compute_logprobs(tb)
-        actor = self.cfg.actor
-        if self.ref is not None:
-            tb.ref_logprobs = self.ref.compute_logprobs(tb)
-        if self.teacher is not None:
-            tb.teacher_logprobs = self.teacher.compute_logprobs(tb)
-        if self.critic is not None:
-            tb.values = self.critic.compute_values(tb)
-        tb.advantages, tb.returns = compute_advantages_and_returns(tb, actor)
-        stats = train_epochs(self.actor, tb, self.loss_fn, n_minibatches=actor.ppo_n_minibatches,
-                             epochs=actor.ppo_epochs)
-        if self.ref is not None and not actor.use_kl_loss:
-            # The in-reward KL is not in the loss: report the one the advantages used.
-            stats["kl_ref"] = mean_token_kl(tb, in_reward_kl_logprobs(tb), actor.kl_estimator)
-        critic_stats = self.critic.train(tb) if self.critic is not None else {}
-        return {f"train/{k}": v for k, v in stats.items()} | critic_stats
+        return self.trainer.train(batch.to_tensors(self.tokenizer.pad_token_id or 0))
+
+    def _record_batch(self, step: int, batch: Batch) -> None:
+        """One line per step in <run>/batches.jsonl: which items and episodes it trained."""
+        line = {"step": step, "task_ids": [t.meta.get("task_id") for t in batch],
+                "group_ids": [t.group_id for t in batch]}
+        with open(self.paths.root / "batches.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _restart_dead_servers(self) -> int:
+        """Restart each inference server that failed its health check at two steps in a row
+        (its process dead, or alive but not answering); it rejoins routing once it holds
+        the current weights (the client re-syncs it). Returns the run's restart count."""
+        if self.scheduler is None:
+            return self.server_restarts
+        for idx, ok in enumerate(self.scheduler.check_health("inference")):
+            self._failed_checks[idx] = 0 if ok else self._failed_checks.get(idx, 0) + 1
+            if self._failed_checks[idx] < 2:
+                continue
+            logger.warning("inference server %d failed two health checks; restarting it", idx)
+            worker = self.scheduler.restart_worker("inference", idx)
+            if worker.address != self.engine.addresses[idx]:
+                self.engine.replace_server(idx, worker.address)
+            self._failed_checks[idx] = 0
+            self.server_restarts += 1
+            self.rollout.run_coroutine(self.engine.check_servers())
+        return self.server_restarts
 
     def _periodic(self, step: int) -> None:
         now = time.monotonic()
         if self.saver.due(step, now) or (step == self.total_steps and self.saver.enabled):
-            self.actor.save_hf(str(self.paths.checkpoints / f"step{step}"))
-            if self.critic is not None:
-                self.critic.engine.save_hf(str(self.paths.checkpoints / f"step{step}_critic"))
+            # The actor, and the critic (if any) beside it as step<N>_critic.
+            self.trainer.save_hf(str(self.paths.checkpoints / f"step{step}"))
         if self.cfg.recover.mode != "disabled" and self.checkpointer.due(step, now):
-            recover.save_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout,
-                                    trainer_state={"step": step}, critic=self._critic_engine)
+            recover.save_checkpoint(self.paths.recover, trainer=self.trainer,
+                                    rollout=self.rollout, trainer_state={"step": step})
         if self.valid_items and self.evaluator.due(step, now) and step < self.total_steps:
             self._evaluate(step, f"eval_step{step}")
 
@@ -233,15 +232,11 @@ class RLTrainer:
         mode = self.cfg.recover.mode
         if mode == "disabled" or (mode == "auto" and not recover.has_checkpoint(self.paths.recover)):
             return 0
-        state = recover.load_checkpoint(self.paths.recover, actor=self.actor, rollout=self.rollout,
-                                        critic=self._critic_engine)
+        state = recover.load_checkpoint(self.paths.recover, trainer=self.trainer,
+                                        rollout=self.rollout)
         step = state["step"]
         logger.info("resumed from %s at step %d", self.paths.recover, step)
         return step
-
-    @property
-    def _critic_engine(self) -> FSDPTrainEngine | None:
-        return self.critic.engine if self.critic is not None else None
 
     def _finish(self) -> None:
         self.stats.close()
@@ -258,10 +253,8 @@ class RLTrainer:
         self.rollout.stop()
         self.workflow.close()
         self.stats.close()
-        for engine in (self.ref, self.teacher, self._critic_engine):
-            if engine is not None:
-                engine.destroy()  # before the actor, which owns the process group
-        self.actor.destroy()
+        self.publisher.close()
+        self.trainer.destroy()
 
 
 def _throughput(batch: Batch, perf: dict[str, float]) -> dict[str, float]:

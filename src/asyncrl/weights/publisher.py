@@ -51,6 +51,9 @@ class WeightPublisher:
         logger.debug("published weights v%d (save %.2fs, load %.2fs)", version, t1 - t0, t2 - t1)
         return {"perf/weights_save_s": t1 - t0, "perf/weights_load_s": t2 - t1}
 
+    def close(self) -> None:
+        """Nothing to release (the same interface as `BroadcastPublisher`)."""
+
     def _prune(self, current: int) -> None:
         for old in self.root.glob("v*"):
             try:

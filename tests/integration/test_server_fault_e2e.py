@@ -1,0 +1,64 @@
+"""An inference server killed mid-run: routed around, restarted, re-synced; nothing lost."""
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from tiny_run import tiny_run_config
+
+from asyncrl.models.tiny import make_tiny_model
+from asyncrl.observe import read_stats
+from asyncrl.trainers.rl import train
+
+pytestmark = pytest.mark.integration
+
+
+def _kill_server_after_first_step(run: Path, stop: threading.Event) -> None:
+    """SIGKILL inference server 1 once step 1 is logged (its pid from services.json)."""
+    while not stop.is_set():
+        try:
+            logged = (run / "stats.jsonl").read_text()
+            workers = json.loads((run / "services.json").read_text())["workers"]
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        if '"step": 1' in logged:
+            pid = next(w["pid"] for w in workers if w["role"] == "inference" and w["index"] == 1)
+            os.killpg(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path):
+    model = make_tiny_model(tmp_path / "model", arch="llama")
+    cfg = tiny_run_config(tmp_path, model, "allocation_mode=local:d2+fsdp:d1",
+                          "total_train_steps=6", "scheduler.inference_threads=2",
+                          "rollout.health_check_interval=0.5", name="fault")
+    run = Path(tmp_path / "runs" / "fault" / cfg.trial_name)
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_server_after_first_step, args=(run, stop))
+    killer.start()
+    try:
+        summary = train(cfg)
+    finally:
+        stop.set()
+        killer.join()
+    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["inference/server_restarts"] == 1
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "inference server 1 failed two health checks; restarting it" in log
+    assert "is back in routing at version" in log  # re-synced to the current weights
+    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+    trained = [tid for b in batches for tid in b["task_ids"]]
+    groups = Counter(gid for b in batches for gid in b["group_ids"])
+    # 6 steps x 2 prompts x 2 samples; no episode twice, no item twice (64 items, one epoch)
+    assert len(trained) == 24 and set(groups.values()) == {2} and len(groups) == 12
+    assert len(set(trained)) == 12
+    assert summary["run_dir"] == str(run)
