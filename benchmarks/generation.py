@@ -26,9 +26,9 @@ from collections.abc import Callable
 import aiohttp
 import torch
 
-from asyncrl.inference.bench import prompts
-from asyncrl.scheduler.commands import server_command
+from asyncrl.engine.bench import prompts
 from asyncrl.models.hub import resolve_model_path
+from asyncrl.scheduler.commands import server_command
 from asyncrl.scheduler.local import free_port
 
 

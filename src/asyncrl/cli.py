@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.admin_key or args.export_dir:
         return _serve_backend(args)  # the agent proxy in front of a private server
     if args.backend == "local":
-        from asyncrl.inference.server import main as server_main
+        from asyncrl.engine.server import main as server_main
 
         argv = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                 "--dtype", args.dtype, "--device", args.device]

@@ -14,7 +14,7 @@ def server_pids(model_path: str) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
         except OSError:
             continue
-        if state != "Z" and b"asyncrl.inference.server" in cmd and model_path.encode() in cmd:
+        if state != "Z" and b"asyncrl.engine.server" in cmd and model_path.encode() in cmd:
             pids.append(int(proc.name))
     return pids
 

@@ -35,10 +35,10 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(models):
-    """`python -m asyncrl.inference.server` on a free loopback port, with an API key."""
+    """`python -m asyncrl.engine.server` on a free loopback port, with an API key."""
     env = {**os.environ, "ASYNCRL_API_KEY": API_KEY}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.inference.server", "--model", models["v0"], "--port", "0",
+        [sys.executable, "-m", "asyncrl.engine.server", "--model", models["v0"], "--port", "0",
          "--threads", "1", "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

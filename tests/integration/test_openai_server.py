@@ -49,7 +49,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(model):
-    proc, url = _start(["asyncrl.inference.server", "--model", model, "--port", "0",
+    proc, url = _start(["asyncrl.engine.server", "--model", model, "--port", "0",
                         "--threads", "1", "--dtype", "float32", "--max-batch-size", "4",
                         "--max-seq-len", "1024"])
     yield url

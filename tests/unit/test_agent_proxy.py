@@ -12,9 +12,9 @@ import pytest
 from asyncrl.agents.capture import export
 from asyncrl.agents.session import SessionStatus
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.inference.tool_calls import hermes_messages
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.services.agent_proxy import AgentProxy
+from asyncrl.services.tool_calls import hermes_messages
 
 ADMIN = "admin-key-123"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'

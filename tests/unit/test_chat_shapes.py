@@ -24,10 +24,10 @@ from serving import serving as serve_app
 
 from asyncrl.api.errors import InferenceError
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.inference.openai_api import openai_app
-from asyncrl.inference.openai_protocol import OpenAIError
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.services.anthropic_api import AnthropicRoutes
+from asyncrl.services.openai_api import openai_app
+from asyncrl.services.openai_protocol import OpenAIError
 from asyncrl.services.responses_api import ResponsesRoutes
 
 MODEL = "served-model"

@@ -34,7 +34,7 @@ def test_gpu_servers_get_their_devices_and_no_cpu_flags():
 
 def test_local_server_command():
     argv, _ = server_command("local", "/m", "127.0.0.1", 7000, dtype="bfloat16")
-    assert argv[1:3] == ["-m", "asyncrl.inference.server"]
+    assert argv[1:3] == ["-m", "asyncrl.engine.server"]
     assert argv[argv.index("--model") + 1] == "/m" and argv[argv.index("--port") + 1] == "7000"
 
 

@@ -9,10 +9,10 @@ import torch
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.engine import LocalEngine
-from asyncrl.inference.local_backend import LocalBackend
-from asyncrl.inference.openai_api import StreamedToken
+from asyncrl.engine.engine import LocalEngine
+from asyncrl.engine.local_backend import LocalBackend
 from asyncrl.models.tiny import make_tiny_model
+from asyncrl.services.openai_api import StreamedToken
 
 torch.set_num_threads(1)
 

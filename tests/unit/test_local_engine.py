@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.engine import LocalEngine, _shared_prefixes
-from asyncrl.inference.model import (
+from asyncrl.engine.engine import LocalEngine, _shared_prefixes
+from asyncrl.engine.model import (
     CheckpointError,
     ModelConfig,
     PackedMatrix,
@@ -304,7 +304,7 @@ def test_kv_recompute_after_an_update_shares_a_groups_prompt_bit_for_bit(tiny, t
     prompt = list(range(40, 70))
     runs = []
     for min_shared in (8, 10**9):  # shared prefixes, then none
-        monkeypatch.setattr("asyncrl.inference.engine.MIN_SHARED_PREFIX", min_shared)
+        monkeypatch.setattr("asyncrl.engine.engine.MIN_SHARED_PREFIX", min_shared)
         engine = new_engine(tiny, dtype="bfloat16", max_batch_size=8)
         if not engine.model.fused:
             pytest.skip("needs the C forward (AVX512-BF16)")

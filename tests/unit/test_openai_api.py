@@ -11,8 +11,8 @@ import pytest
 from serving import serving
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.inference.openai_api import openai_app
 from asyncrl.models.tiny import make_tiny_tokenizer
+from asyncrl.services.openai_api import openai_app
 
 MODEL = "scripted"
 KEY = "sk-test"
@@ -161,7 +161,7 @@ TOOL_TEMPLATE = (
 
 
 def test_a_template_that_renders_tools_gets_them_natively_with_arguments_as_objects():
-    from asyncrl.inference.openai_protocol import render_chat, template_renders_tools
+    from asyncrl.services.openai_protocol import render_chat, template_renders_tools
 
     tok = make_tiny_tokenizer()
     assert not template_renders_tools(tok)

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from asyncrl.inference.detokenize import (
+from asyncrl.models.tiny import make_tiny_tokenizer
+from asyncrl.services.detokenize import (
     IncrementalDetokenizer,
     detokenize,
     token_bytes,
     token_string,
 )
-from asyncrl.inference.tool_calls import ToolCallHold, hermes_messages, parse_tool_calls
-from asyncrl.models.tiny import make_tiny_tokenizer
+from asyncrl.services.tool_calls import ToolCallHold, hermes_messages, parse_tool_calls
 
 
 @pytest.fixture(scope="module")

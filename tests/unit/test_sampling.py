@@ -9,9 +9,9 @@ import torch
 
 from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.engine import LocalEngine
-from asyncrl.inference.model import DecodeKernels
-from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample, sample_from, truncate
+from asyncrl.engine.engine import LocalEngine
+from asyncrl.engine.model import DecodeKernels
+from asyncrl.engine.sampling import SamplingBatch, StopChecker, sample, sample_from, truncate
 from asyncrl.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from asyncrl.agents.search import (
     score_answer,
     search_items,
 )
-from asyncrl.inference.tool_calls import hermes_messages, parse_tool_calls
+from asyncrl.services.tool_calls import hermes_messages, parse_tool_calls
 
 # n_entities=200 people -> 40 towns, 8 provinces, 100 inventions, 100 firms:
 # 200 birth + 40 location + 100 invention + 100 founding docs.

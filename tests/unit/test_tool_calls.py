@@ -13,17 +13,17 @@ from serving import serving
 
 from asyncrl.agents.capture import export
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.inference.detokenize import detokenize
-from asyncrl.inference.openai_api import OpenAIRoutes, openai_app
-from asyncrl.inference.tool_calls import (
+from asyncrl.models.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
+from asyncrl.services.agent_proxy import AgentProxy
+from asyncrl.services.detokenize import detokenize
+from asyncrl.services.openai_api import OpenAIRoutes, openai_app
+from asyncrl.services.tool_calls import (
     FORMATS,
     ToolCallHold,
     detect_tool_format,
     parse_tool_calls,
     tool_format,
 )
-from asyncrl.models.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
-from asyncrl.services.agent_proxy import AgentProxy
 
 HERMES, LLAMA3, MISTRAL = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
 TOOLS = [{"type": "function", "function": {

@@ -28,9 +28,9 @@ from serving import serving
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.api.errors import InferenceError
 from asyncrl.config.schema import ActorConfig
+from asyncrl.engine.model import Transformer, Weights
 from asyncrl.inference import RemoteInferenceEngine
 from asyncrl.inference.base import WeightUpdateError
-from asyncrl.inference.model import Transformer, Weights
 from asyncrl.inference.sglang import SGLangInferenceEngine
 from asyncrl.inference.vllm import VLLMInferenceEngine
 from asyncrl.models.tiny import make_tiny_model
@@ -57,7 +57,7 @@ def tiny(tmp_path_factory) -> str:
 def server(model: str, dtype: str = "float32") -> Iterator[subprocess.Popen]:
     """Our inference server on a free loopback port (`proc.address`)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.inference.server", "--model", model, "--port", "0",
+        [sys.executable, "-m", "asyncrl.engine.server", "--model", model, "--port", "0",
          "--dtype", dtype, "--threads", "1", "--max-batch-size", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -336,8 +336,8 @@ def test_two_trainer_ranks_gather_in_lockstep_and_rank_0_broadcasts(tiny, tmp_pa
 
 
 def test_server_refuses_updates_it_cannot_take_and_keeps_serving(tiny):
-    from asyncrl.inference.engine import LocalEngine
-    from asyncrl.inference.server import InferenceServer
+    from asyncrl.engine.engine import LocalEngine
+    from asyncrl.engine.server import InferenceServer
 
     engine = LocalEngine(tiny)
     engine.start()

@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.inference.openai_protocol import render_chat
-from asyncrl.inference.tool_calls import CLOSE, OPEN
+from asyncrl.services.openai_protocol import render_chat
+from asyncrl.services.tool_calls import CLOSE, OPEN
 
 logger = logging.getLogger(__name__)
 

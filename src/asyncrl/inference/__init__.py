@@ -1,11 +1,11 @@
-"""The `local` inference engine, its HTTP server, and the HTTP client the rollout side uses.
+"""Clients of inference servers: what the rollout side and the gateway talk to.
 
-model.py (decoder forward + slot KV cache), sampling.py, engine.py (continuous batching,
-interruptible weight updates), server.py (aiohttp), client.py (RemoteInferenceEngine).
-Clients of other servers share base.py: vllm.py, sglang.py (resubmit.py stitches a
-generation across the aborts of a weight update). Server command lines live in
-`asyncrl.scheduler.commands`.
-Names are imported lazily so that importing the client does not load transformers.
+client.py (`RemoteInferenceEngine`, for our own `local` server in `asyncrl.engine`),
+vllm.py and sglang.py, all over base.py's shared HTTP plumbing; resubmit.py stitches a
+generation across the aborts of a weight update; backends.py picks a client by backend
+name. vllm_worker.py is loaded into vLLM's workers by name (the server side of vllm.py's
+weight reload). Server command lines live in `asyncrl.scheduler.commands`.
+Names are imported lazily so that importing one client does not load the others.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from typing import Any
 
 _EXPORTS = {
     "RemoteInferenceEngine": "client", "InferenceServerError": "client",
-    "WeightUpdateError": "client", "LocalEngine": "engine", "Transformer": "model",
-    "CheckpointError": "model", "serve": "server", "main": "server",
-    "VLLMInferenceEngine": "vllm", "SGLangInferenceEngine": "sglang",
-    "client_class": "backends",
+    "WeightUpdateError": "client", "VLLMInferenceEngine": "vllm",
+    "SGLangInferenceEngine": "sglang", "client_class": "backends",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -36,7 +36,7 @@ def server_argv(backend: str, model_path: str, host: str, port: str, *, dtype: s
     _check(backend, device)
     address = ["--host", host, "--port", port]
     if backend == "local":
-        return [sys.executable, "-m", "asyncrl.inference.server", "--model", model_path,
+        return [sys.executable, "-m", "asyncrl.engine.server", "--model", model_path,
                 *address, "--dtype", dtype]
     if backend == "vllm":
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",

@@ -48,9 +48,9 @@ from aiohttp import web
 from asyncrl.agents.capture import Completion
 from asyncrl.agents.session import Session, SessionError, SessionStatus, SessionStore
 from asyncrl.api.types import GenerationRequest, GenerationResponse
-from asyncrl.inference.detokenize import detokenize
-from asyncrl.inference.openai_api import OpenAIRoutes, _checked_body, _json_or_none
-from asyncrl.inference.openai_protocol import OpenAIError
+from asyncrl.services.detokenize import detokenize
+from asyncrl.services.openai_api import OpenAIRoutes, _checked_body, _json_or_none
+from asyncrl.services.openai_protocol import OpenAIError
 
 logger = logging.getLogger(__name__)
 _MAX_ENDED_KEYS = 100_000  # keys of ended sessions remembered, to answer 409 rather than 401

@@ -24,8 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.inference.openai_protocol import OpenAIError
-from asyncrl.inference.tool_calls import CLOSE, OPEN
+from asyncrl.services.openai_protocol import OpenAIError
 from asyncrl.services.shapes_base import (
     ChatFn,
     ask_chat,
@@ -39,6 +38,7 @@ from asyncrl.services.shapes_base import (
     read_body,
     send_events,
 )
+from asyncrl.services.tool_calls import CLOSE, OPEN
 
 _TRANSLATED = {"model", "max_tokens", "system", "messages", "tools", "tool_choice",
                "stop_sequences", "temperature", "top_p", "top_k", "stream"}

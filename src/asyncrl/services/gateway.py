@@ -18,8 +18,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.inference.http import serve_app
-from asyncrl.inference.openai_api import openai_app
+from asyncrl.services.http import serve_app
+from asyncrl.services.openai_api import openai_app
 
 BACKENDS = ("local", "vllm", "sglang")
 

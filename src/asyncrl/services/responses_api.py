@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.inference.openai_protocol import OpenAIError
+from asyncrl.services.openai_protocol import OpenAIError
 from asyncrl.services.shapes_base import (
     ChatFn,
     ask_chat,

@@ -10,7 +10,7 @@ generation and carries the same tokens.
     AnthropicRoutes(chat, model_name).add_to(app)   # POST /v1/messages    (anthropic_api.py)
 
 Our extension fields (`prompt_token_ids`, `token_ids`, `token_logprobs`, `token_versions`,
-see inference/openai_api.py) travel as top-level keys of each answer; both SDKs keep
+see openai_api.py) travel as top-level keys of each answer; both SDKs keep
 unknown keys in `model_extra`.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
-from asyncrl.inference.openai_protocol import OpenAIError
+from asyncrl.services.openai_protocol import OpenAIError
 
 ChatFn = Callable[[web.Request, dict], Awaitable[dict]]
 """(request, chat body with stream False) -> the chat.completion dict; raises OpenAIError."""

@@ -51,8 +51,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from asyncrl.api.types import TensorBatch
-from asyncrl.inference.http import serve_app
-from asyncrl.inference.openai_api import key_matches
+from asyncrl.services.http import serve_app
+from asyncrl.services.openai_api import key_matches
 
 logger = logging.getLogger(__name__)
 

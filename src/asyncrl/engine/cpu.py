@@ -57,7 +57,7 @@ class DecodeKernels:
 
 @functools.cache
 def _decode_kernels() -> DecodeKernels | None:
-    from asyncrl.inference import kernels
+    from asyncrl.engine import kernels
 
     lib = kernels.load("decode")
     return DecodeKernels(lib) if lib is not None else None

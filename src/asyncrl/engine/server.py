@@ -1,9 +1,9 @@
 """HTTP server around `LocalEngine` (aiohttp).
 
-    python -m asyncrl.inference.server --model smollm2-135m-instruct --port 8000
+    python -m asyncrl.engine.server --model smollm2-135m-instruct --port 8000
 
 Endpoints: POST /generate, /pause, /resume, /update_weights; GET /health, /version;
-and OpenAI's GET /v1/models, POST /v1/completions, /v1/chat/completions (openai_api.py).
+and OpenAI's GET /v1/models, POST /v1/completions, /v1/chat/completions (services/openai_api.py).
 Weight sync by broadcast, with SGLang's names and bodies (weights/transport.py has the wire
 format): POST /init_weights_update_group joins the trainer's group, POST
 /update_weights_from_distributed receives every bucket and then serves the new weights
@@ -33,12 +33,12 @@ from aiohttp import web
 
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.cpu import huge_empty
-from asyncrl.inference.engine import LocalEngine
-from asyncrl.inference.http import serve_app
-from asyncrl.inference.local_backend import LocalBackend
-from asyncrl.inference.model import CheckpointError, check_tensors, hf_shapes
-from asyncrl.inference.openai_api import OpenAIRoutes, key_matches, unauthorized
+from asyncrl.engine.cpu import huge_empty
+from asyncrl.engine.engine import LocalEngine
+from asyncrl.engine.local_backend import LocalBackend
+from asyncrl.engine.model import CheckpointError, check_tensors, hf_shapes
+from asyncrl.services.http import serve_app
+from asyncrl.services.openai_api import OpenAIRoutes, key_matches, unauthorized
 from asyncrl.weights import transport
 
 logger = logging.getLogger(__name__)
@@ -348,8 +348,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line of `python -m asyncrl.inference.server`."""
-    p = argparse.ArgumentParser(prog="python -m asyncrl.inference.server",
+    """The command line of `python -m asyncrl.engine.server`."""
+    p = argparse.ArgumentParser(prog="python -m asyncrl.engine.server",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True,
                    help="HF folder or named model (e.g. smollm2-135m-instruct)")

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.cpu import DecodeKernels, PackedMatrix, can_pack, huge_empty
+from asyncrl.engine.cpu import DecodeKernels, PackedMatrix, can_pack, huge_empty
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.api.types import SamplingParams
-from asyncrl.inference.cpu import DecodeKernels
+from asyncrl.engine.cpu import DecodeKernels
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Serving an aiohttp application until a signal: shared by the inference server and gateway."""
+"""Serving an aiohttp application until a signal: shared by the engine's server and services."""
 
 from __future__ import annotations
 

@@ -41,20 +41,20 @@ from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.inference.detokenize import (
+from asyncrl.services.detokenize import (
     IncrementalDetokenizer,
     detokenize,
     token_bytes,
     token_string,
 )
-from asyncrl.inference.openai_protocol import (
+from asyncrl.services.openai_protocol import (
     Job,
     OpenAIError,
     parse_chat,
     parse_completion,
     template_renders_tools,
 )
-from asyncrl.inference.tool_calls import HERMES, ToolCallHold, tool_format
+from asyncrl.services.tool_calls import HERMES, ToolCallHold, tool_format
 
 
 class StreamedToken(NamedTuple):

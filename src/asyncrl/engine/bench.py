@@ -1,6 +1,6 @@
 """Decode throughput of the local engine against HF `generate`, on the same prompts.
 
-    python -m asyncrl.inference.bench --model smollm2-135m-instruct --batch-sizes 1 32
+    python -m asyncrl.engine.bench --model smollm2-135m-instruct --batch-sizes 1 32
 
 Every sequence generates exactly --new-tokens tokens (EOS ignored on both sides), so the
 two sides do the same work; tok/s counts generated tokens over wall time, prefill included.
@@ -16,8 +16,8 @@ import torch
 
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.engine import LocalEngine
-from asyncrl.inference.model import DTYPES
+from asyncrl.engine.engine import LocalEngine
+from asyncrl.engine.model import DTYPES
 from asyncrl.models.hub import resolve_model_path
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",

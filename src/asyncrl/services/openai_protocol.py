@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 
 from asyncrl.api.types import SamplingParams
-from asyncrl.inference.tool_calls import hermes_messages
+from asyncrl.services.tool_calls import hermes_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 4096  # when the context length is not known

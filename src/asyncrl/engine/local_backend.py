@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse
-from asyncrl.inference.engine import LocalEngine
-from asyncrl.inference.openai_api import StreamedToken
+from asyncrl.engine.engine import LocalEngine
+from asyncrl.services.openai_api import StreamedToken
 
 
 def _settle(fut: asyncio.Future, result: Any) -> None:

@@ -39,8 +39,8 @@ import torch
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.model import DTYPES, Transformer, Weights, hf_shapes, read_checkpoint
-from asyncrl.inference.sampling import SamplingBatch, StopChecker, sample
+from asyncrl.engine.model import DTYPES, Transformer, Weights, hf_shapes, read_checkpoint
+from asyncrl.engine.sampling import SamplingBatch, StopChecker, sample
 
 logger = logging.getLogger(__name__)
 
