@@ -1,6 +1,7 @@
 """Starting an RL run's processes under its scheduler: inference servers and trainer ranks.
 
-The same two roles under every scheduler:
+The same two roles under every scheduler (under ray and slurm each binds its node's address
+and takes an API key made for the run):
 - `inference`: `rollout.n_servers` servers of `rollout.backend` (allocation_mode's d<N>);
 - `trainer`: `fsdp:d<M>` training-service ranks (`services/training.py`), unless the one
   rank runs inline in the controller (`scheduler.trainer`: auto is inline for one rank
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 class Services:
     inference: list[str]  # the servers' addresses
     trainer: Trainer | None  # the training service's client; None: the trainer runs inline
+    inference_key: str | None = None  # the servers' API key (set when they bind a node IP)
 
 
 def trainer_in_service(cfg: ExperimentConfig) -> bool:
@@ -71,6 +73,10 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     extra = list(cfg.rollout.server_args)
     if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "broadcast":
         extra += ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's receive side
+    # Off the local machine the servers bind their node's address: they take a key.
+    inference_key = None if local else secrets.token_hex(16)
+    if inference_key is not None and cfg.rollout.backend != "local":
+        extra += ["--api-key", inference_key]
     servers = inference_spec(
         cfg.rollout.backend, resolve_model_path(cfg.actor.path), cfg.local_engine,
         n_servers=n_servers, seed=cfg.seed, device=device,
@@ -85,12 +91,14 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         else:  # GPUs 0..M-1 train (inline: GPU 0), the servers take the next ones
             servers.cores = [[] for _ in range(n_servers)]
             servers.gpu_ids = [[world + i] for i in range(n_servers)]
+    if inference_key is not None and cfg.rollout.backend == "local":
+        servers.env["ASYNCRL_API_KEY"] = inference_key
     addresses = [w.address for w in scheduler.create_workers(servers)]
     if not service:
         if local:
             threads = scheduler.pin_trainer(trainer_cores)
             logger.info("trainer: inline, %d thread(s)", threads)
-        return Services(addresses, None)
+        return Services(addresses, None, inference_key)
     key = secrets.token_hex(16)
     spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)
     if local:
@@ -100,4 +108,5 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     ranks = scheduler.create_workers(spec)
     logger.info("trainer: %d rank(s) at %s", world, ", ".join(w.address for w in ranks))
     return Services(addresses, TrainingClient([w.address for w in ranks], api_key=key,
-                                              timeout=cfg.scheduler.trainer_timeout))
+                                              timeout=cfg.scheduler.trainer_timeout),
+                    inference_key)

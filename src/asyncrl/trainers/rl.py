@@ -43,7 +43,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
                         slurm_cfg=cfg.slurm) as scheduler:
         services = launch(cfg, paths, scheduler)
         trainer = RLTrainer(cfg, paths, services.inference, services.trainer,
-                            scheduler=scheduler)
+                            scheduler=scheduler, inference_key=services.inference_key)
         trainer.summary["services"] = [
             {"role": w.role, "index": w.index, "address": w.address, "node_id": w.node_id}
             for role in ("inference", "trainer") for w in scheduler.get_workers(role)]
@@ -67,7 +67,8 @@ def _raise_if_dead(scheduler: Scheduler) -> None:
 
 class RLTrainer:
     def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str],
-                 trainer: Trainer | None = None, scheduler: Scheduler | None = None) -> None:
+                 trainer: Trainer | None = None, scheduler: Scheduler | None = None,
+                 inference_key: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
@@ -79,7 +80,7 @@ class RLTrainer:
             addresses, request_timeout=cfg.rollout.request_timeout,
             request_retries=cfg.rollout.request_retries,
             update_weights_timeout=cfg.rollout.update_weights_timeout,
-            health_check_interval=cfg.rollout.health_check_interval)
+            health_check_interval=cfg.rollout.health_check_interval, api_key=inference_key)
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
             self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,

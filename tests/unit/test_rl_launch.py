@@ -1,0 +1,60 @@
+"""What an RL run asks its scheduler for: the inference and trainer roles, keys, placement."""
+
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.scheduler.base import Worker
+from asyncrl.services.training import TrainingClient
+from asyncrl.trainers.launch import launch, rank_cores
+from asyncrl.trainers.paths import RunPaths
+
+
+class RecordingScheduler:
+    """A scheduler that starts nothing: it records the specs and makes up addresses."""
+
+    def __init__(self):
+        self.specs = []
+
+    def create_workers(self, spec):
+        self.specs.append(spec)
+        return [Worker(role=spec.role, index=i, host="10.0.0.9", port=9000 + i,
+                       address=f"http://10.0.0.9:{9000 + i}", node_id=f"node{i}", pid=0,
+                       log_path="") for i in range(spec.count)]
+
+
+def _launch(tmp_path, tiny_path, *overrides):
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
+                             "train_dataset.path=unused.jsonl", "scheduler.type=ray",
+                             "cluster.n_nodes=2", *overrides])
+    scheduler = RecordingScheduler()
+    return launch(cfg, RunPaths.from_config(cfg), scheduler), scheduler.specs
+
+
+def test_off_the_machine_servers_and_ranks_take_per_run_keys(tmp_path, tiny_path):
+    services, (servers, ranks) = _launch(tmp_path, tiny_path, "allocation_mode=local:d2+fsdp:d2",
+                                         "scheduler.trainer_threads=3")
+    assert servers.role == "inference" and servers.count == 2
+    assert servers.env["ASYNCRL_API_KEY"] == services.inference_key
+    assert len(services.inference_key) == 32
+    assert ranks.role == "trainer" and ranks.count == 2 and ranks.torch_distributed
+    assert ranks.cpus == 3 and "asyncrl.services.training" in ranks.command
+    assert str(Path(tmp_path) / "asyncrl" / "trial0" / "config.yaml") in ranks.command
+    assert isinstance(services.trainer, TrainingClient)
+    assert services.trainer.api_key == ranks.env["ASYNCRL_API_KEY"] != services.inference_key
+    assert services.trainer.addresses == ["http://10.0.0.9:9000", "http://10.0.0.9:9001"]
+    assert services.inference == ["http://10.0.0.9:9000", "http://10.0.0.9:9001"]
+
+
+def test_vllm_servers_get_their_key_and_the_weight_transfer_flag(tmp_path, tiny_path):
+    services, (servers, _) = _launch(tmp_path, tiny_path, "allocation_mode=vllm:d1+fsdp:d1",
+                                     "actor.weight_update_mode=broadcast")
+    at = servers.command.index("--api-key")
+    assert servers.command[at + 1] == services.inference_key
+    at = servers.command.index("--weight-transfer-config")
+    assert servers.command[at + 1] == '{"backend": "nccl"}'
+
+
+def test_the_trainers_cores_split_evenly_or_one_each():
+    assert rank_cores([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert rank_cores([4, 5, 6], 2) == [[4], [5]]
+    assert rank_cores([7], 3) == [[7], [7], [7]]
