@@ -41,11 +41,12 @@ def cluster():
     cluster.shutdown()
 
 
-def test_two_trainer_ranks_and_a_server_on_two_ray_nodes(cluster, tmp_path):
+@pytest.mark.parametrize("sync", ["disk", "broadcast"])
+def test_two_trainer_ranks_and_a_server_on_two_ray_nodes(cluster, tmp_path, sync):
     model = make_tiny_model(tmp_path / "model", arch="llama")
     cfg = tiny_run_config(tmp_path, model, "scheduler.type=ray", "cluster.n_nodes=2",
                           f"ray.address={cluster.address}", "allocation_mode=local:d1+fsdp:d2",
-                          name="ray")
+                          f"actor.weight_update_mode={sync}", name="ray")
     summary = train(cfg)
     rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
@@ -53,4 +54,7 @@ def test_two_trainer_ranks_and_a_server_on_two_ray_nodes(cluster, tmp_path):
     nodes = {(s["role"], s["index"]): s["node_id"] for s in summary["services"]}
     assert set(nodes) == {("inference", 0), ("trainer", 0), ("trainer", 1)}
     assert len(set(nodes.values())) == 2  # 3 CPUs' worth of workers on nodes of 1 and 2
-    assert (Path(summary["run_dir"]) / "weights" / "v2" / "model.safetensors").is_file()
+    published = Path(summary["run_dir"]) / "weights" / "v2" / "model.safetensors"
+    assert published.is_file() == (sync == "disk")
+    if sync == "broadcast":
+        assert all(r["perf/weights_broadcast_s"] > 0 for r in rows)
