@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config.schema import ActorConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.engine.model import Transformer, Weights
 from asyncrl.inference import RemoteInferenceEngine
 from asyncrl.models.hub import resolve_model_path
@@ -67,7 +67,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     proc, address = start_server(path, args.threads, work / "server.log")
     client = RemoteInferenceEngine([address], update_weights_timeout=120)
-    actor = FSDPTrainEngine(ActorConfig(path=path, dtype="bfloat16"), total_steps=1)
+    actor = FSDPTrainEngine(TrainEngineSpec(path=path, dtype="bfloat16"), total_steps=1)
     actor.initialize()
     disk = WeightPublisher(work / "weights", client, dtype="bfloat16")
     broadcasts = {f"broadcast {mb} MiB": BroadcastPublisher(client, dtype="bfloat16",

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import SchedulerConfig
 from asyncrl.inference import RemoteInferenceEngine
 from asyncrl.models.tiny import make_tiny_model
@@ -41,7 +42,7 @@ def setup(tmp_path_factory):
         client = RemoteInferenceEngine(addresses, request_timeout=120)
         cfg = load_config(None, ["train_dataset.path=x", f"actor.path={model}",
                                  "actor.dtype=float32", "actor.optimizer.lr=0.05"])
-        actor = FSDPTrainEngine(cfg.actor, total_steps=10, seed=0)
+        actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor), total_steps=10, seed=0)
         actor.initialize()
         try:
             yield model, client, actor, root

@@ -173,13 +173,14 @@ def _engine_logprob_gap(path: str, actor, use_kernels: bool) -> float:
 
 def test_bf16_engine_logprobs_agree_with_the_bf16_trainer_as_the_torch_path_does(tmp_path):
     from asyncrl.config import load_config
+    from asyncrl.config.engine import TrainEngineSpec
     from asyncrl.training import FSDPTrainEngine
 
     path = make_tiny_model(tmp_path / "m", num_heads=4, num_kv_heads=2, hidden_size=128,
                            head_dim=32)
     cfg = load_config(None, ["train_dataset.path=x", f"actor.path={path}",
                              "actor.dtype=bfloat16"])
-    actor = FSDPTrainEngine(cfg.actor, total_steps=1, seed=0)
+    actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor), total_steps=1, seed=0)
     actor.initialize()
     try:
         with_kernels = _engine_logprob_gap(path, actor, use_kernels=True)

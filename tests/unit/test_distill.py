@@ -333,9 +333,9 @@ def test_teacher_engine_follows_the_teacher_section_and_loads_real_weights():
                 "actor.init_from_scratch=true")
     teacher = make_teacher_engine(cfg)
     assert teacher is not None and teacher.model is None  # built, not loaded
-    assert (teacher.cfg.path, teacher.cfg.dtype) == ("/m/t", "float32")
-    assert teacher.cfg.mb_spec.max_tokens_per_mb == 512 and teacher.cfg.temperature == 0.7
-    assert not teacher.cfg.init_from_scratch  # a scratch teacher would teach noise
+    assert (teacher.spec.path, teacher.spec.dtype) == ("/m/t", "float32")
+    assert teacher.spec.mb_spec.max_tokens_per_mb == 512 and teacher.spec.temperature == 0.7
+    assert not teacher.spec.init_from_scratch  # a scratch teacher would teach noise
 
 
 class _OneAnswerEngine:

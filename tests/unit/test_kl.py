@@ -148,9 +148,9 @@ def test_reference_engine_follows_the_ref_section():
                 "ref.mb_spec.max_tokens_per_mb=512", "actor.temperature=0.7")
     ref = make_ref_engine(cfg)
     assert ref is not None and ref.model is None  # built, not loaded
-    assert (ref.cfg.path, ref.cfg.dtype) == ("/m/ref", "float32")
-    assert ref.cfg.mb_spec.max_tokens_per_mb == 512
-    assert ref.cfg.temperature == 0.7
+    assert (ref.spec.path, ref.spec.dtype) == ("/m/ref", "float32")
+    assert ref.spec.mb_spec.max_tokens_per_mb == 512
+    assert ref.spec.temperature == 0.7
 
 
 def test_the_documented_reinforce_plus_plus_settings_load(tmp_path):

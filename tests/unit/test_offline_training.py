@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from asyncrl.algorithms import make_dpo_loss_fn, make_sft_loss_fn
-from asyncrl.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
+from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.data.offline import TokenRow, collate
 from asyncrl.trainers.dpo import compute_reference_logprobs
 from asyncrl.trainers.offline import epoch_batches, evaluate
@@ -46,11 +47,11 @@ def test_granularity_refuses_a_batch_of_partial_units():
 
 def make_engine(path, max_tokens=10_000, granularity=1) -> FSDPTrainEngine:
     # eps = 1: Adam's first step is ~lr * grad, so parameters also compare gradient scales.
-    cfg = ActorConfig(path=path, dtype="float32",
-                      optimizer=OptimizerConfig(lr=1e-2, eps=1.0, gradient_clipping=0.0),
-                      mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens,
-                                             granularity=granularity))
-    engine = FSDPTrainEngine(cfg, total_steps=10)
+    spec = TrainEngineSpec(path=path, dtype="float32",
+                           optimizer=OptimizerConfig(lr=1e-2, eps=1.0, gradient_clipping=0.0),
+                           mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens,
+                                                  granularity=granularity))
+    engine = FSDPTrainEngine(spec, total_steps=10)
     engine.initialize()
     return engine
 
@@ -176,7 +177,7 @@ def test_engine_config_of_the_model_section_keeps_its_keys():
     model = TrainEngineConfig(path="p", dtype="float32", gradient_checkpointing=True,
                               mb_spec=MicroBatchSpec(max_tokens_per_mb=7, granularity=2),
                               optimizer=OptimizerConfig(lr=3e-4))
-    cfg = model.engine_config()
+    cfg = model.engine_spec()
     assert (cfg.path, cfg.dtype, cfg.gradient_checkpointing) == ("p", "float32", True)
     assert dataclasses.astuple(cfg.mb_spec) == (7, 2) and cfg.optimizer.lr == 3e-4
     assert cfg.temperature == 1.0  # SFT/DPO log-probs are the model's own distribution

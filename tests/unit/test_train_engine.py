@@ -9,7 +9,8 @@ import torch
 from batches import random_batch as make_batch
 
 from asyncrl.api.types import TensorBatch
-from asyncrl.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
+from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.training import FSDPTrainEngine, split_across_ranks, split_by_token_budget
 from asyncrl.training import engine as engine_module
@@ -36,8 +37,8 @@ def token_logprobs(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
 
 def make_engine(path, *, total_steps=10, **overrides) -> FSDPTrainEngine:
     optimizer = overrides.pop("optimizer", OptimizerConfig(lr=1e-3))
-    cfg = ActorConfig(path=path, dtype="float32", optimizer=optimizer, **overrides)
-    engine = FSDPTrainEngine(cfg, total_steps=total_steps)
+    spec = TrainEngineSpec(path=path, dtype="float32", optimizer=optimizer, **overrides)
+    engine = FSDPTrainEngine(spec, total_steps=total_steps)
     engine.initialize()
     return engine
 
@@ -209,9 +210,8 @@ def test_step_variants_train_every_parameter_and_keep_logprobs_close(tiny_path, 
     reference = make_engine(tiny_path)
     expected = reference.compute_logprobs(make_batch())
     reference.destroy()
-    engine = FSDPTrainEngine(dataclasses.replace(ActorConfig(path=tiny_path, dtype="float32",
-                                                             optimizer=OptimizerConfig(lr=1e-3)),
-                                                 **overrides), total_steps=10)
+    spec = TrainEngineSpec(path=tiny_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-3))
+    engine = FSDPTrainEngine(dataclasses.replace(spec, **overrides), total_steps=10)
     engine.initialize()
     # bf16 compute: about 3 significant digits on log-probs of magnitude ~5.
     tolerance = 0.1 if overrides.get("dtype") == "bfloat16" else 1e-5
@@ -246,7 +246,7 @@ def test_a_model_with_dropout_is_refused_with_the_field_named(tmp_path):
     config_file = tmp_path / "model" / "config.json"
     config_file.write_text(config_file.read_text().replace('"attention_dropout": 0.0',
                                                            '"attention_dropout": 0.1'))
-    engine = FSDPTrainEngine(ActorConfig(path=path), total_steps=1)
+    engine = FSDPTrainEngine(TrainEngineSpec(path=path), total_steps=1)
     with pytest.raises(ValueError, match="attention_dropout=0.1"):
         engine.initialize()
     engine.destroy()

@@ -6,6 +6,7 @@ from batches import random_batch
 
 from asyncrl.algorithms import make_value_loss_fn
 from asyncrl.api.types import TensorBatch
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import CriticConfig, OptimizerConfig
 from asyncrl.training import FSDPValueEngine
 
@@ -17,11 +18,15 @@ def make_batch(seed: int = 0, lengths=(9, 5, 7)) -> TensorBatch:
 
 
 def make_critic(path, seed=1, **overrides) -> FSDPValueEngine:
-    optimizer = overrides.pop("optimizer", OptimizerConfig(lr=1e-3))
-    engine = FSDPValueEngine(CriticConfig(path=path, dtype="float32", optimizer=optimizer,
-                                          **overrides), total_steps=10, seed=seed)
+    engine = FSDPValueEngine(TrainEngineSpec.of(critic_config(path, **overrides)),
+                             total_steps=10, seed=seed)
     engine.initialize()
     return engine
+
+
+def critic_config(path, **overrides) -> CriticConfig:
+    optimizer = overrides.pop("optimizer", OptimizerConfig(lr=1e-3))
+    return CriticConfig(path=path, dtype="float32", optimizer=optimizer, **overrides)
 
 
 def test_value_at_t_reads_only_the_tokens_before_t(tiny_path):
@@ -55,7 +60,7 @@ def test_train_steps_lower_the_value_loss_on_a_fixed_batch(tiny_path):
     batch = make_batch()
     batch.values = critic.compute_values(batch)
     batch.returns = 1.0 * batch.loss_mask  # a constant target on every loss token
-    loss_fn = make_value_loss_fn(critic.cfg)
+    loss_fn = make_value_loss_fn(critic_config(tiny_path, eps_clip=None))
     losses = [critic.train_batch(batch, loss_fn)["loss"] for _ in range(5)]
     after = critic.compute_values(batch)
     mse = float(((after - batch.returns).square() * batch.loss_mask).sum() / batch.loss_mask.sum())
@@ -71,7 +76,7 @@ def test_saved_critic_is_an_hf_token_classifier_with_the_same_values(tiny_path, 
     batch = make_batch(seed=3)
     batch.values = critic.compute_values(batch)
     batch.returns = batch.loss_mask.clone()
-    critic.train_batch(batch, make_value_loss_fn(critic.cfg))  # the head is no longer the init
+    critic.train_batch(batch, make_value_loss_fn(critic_config(tiny_path)))  # the head is no longer the init
     ours = critic.compute_values(batch)
     critic.save_hf(str(tmp_path / "critic"))
     critic.save_state(str(tmp_path / "state"))

@@ -27,6 +27,7 @@ from serving import serving
 
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.api.errors import InferenceError
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import ActorConfig
 from asyncrl.engine.model import Transformer, Weights
 from asyncrl.inference import RemoteInferenceEngine
@@ -306,7 +307,7 @@ def _two_rank_worker(rank: int, port: int, model: str, address: str, out: str) -
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    engine = FSDPTrainEngine(ActorConfig(path=model, dtype="float32"), total_steps=1)
+    engine = FSDPTrainEngine(TrainEngineSpec(path=model, dtype="float32"), total_steps=1)
     engine.initialize()
     with torch.no_grad():  # weights the server cannot have yet
         for p in engine.model.parameters():

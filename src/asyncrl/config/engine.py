@@ -1,4 +1,5 @@
-"""The trained model's shared sections: its optimiser and how a batch is cut into micro-batches.
+"""The trained model's shared sections: its optimiser, how a batch is cut into micro-batches,
+and `TrainEngineSpec`, the keys a train engine reads (built from a YAML section).
 
 Also `_check`, the one way every config raises on a bad value (a ValueError the loader turns
 into a ConfigError naming the key).
@@ -6,8 +7,8 @@ into a ConfigError naming the key).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -46,3 +47,26 @@ class MicroBatchSpec:
     def __post_init__(self) -> None:
         _check(self.max_tokens_per_mb >= 1, f"mb_spec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
         _check(self.granularity >= 1, f"mb_spec.granularity must be >= 1, got {self.granularity}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainEngineSpec:
+    """What a train engine reads: the model, its compute dtype, micro-batches, optimiser.
+
+    Built from the section that describes the model (`actor`, `critic`, `model`, a frozen
+    `ref`/`teacher`) by `of(section)`; the engine sees nothing else of the config.
+    """
+
+    path: str
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    init_from_scratch: bool = False
+    gradient_checkpointing: bool = False
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    temperature: float = 1.0  # a policy's log-probs are those of logits / temperature
+
+    @classmethod
+    def of(cls, section: Any, **overrides: Any) -> TrainEngineSpec:
+        """The spec of a config section: the keys it has, defaults for the others."""
+        keys = {f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)}
+        return cls(**(keys | overrides))

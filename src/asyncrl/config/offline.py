@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import (
-    ActorConfig,
     ClusterConfig,
     MicroBatchSpec,
     OptimizerConfig,
@@ -39,11 +39,9 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
 
-    def engine_config(self) -> ActorConfig:
-        """The `ActorConfig` that `FSDPTrainEngine` reads (its RL keys stay at defaults)."""
-        return ActorConfig(path=self.path, init_from_scratch=self.init_from_scratch,
-                           dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing,
-                           mb_spec=self.mb_spec, optimizer=self.optimizer)
+    def engine_spec(self) -> TrainEngineSpec:
+        """What `FSDPTrainEngine` reads of this section."""
+        return TrainEngineSpec.of(self)
 
 
 @dataclass(kw_only=True)

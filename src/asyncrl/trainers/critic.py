@@ -7,6 +7,7 @@ import torch
 from asyncrl.algorithms import make_value_loss_fn, value_stats
 from asyncrl.api import TensorBatch
 from asyncrl.config import CriticConfig, ExperimentConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.training import FSDPValueEngine, train_epochs
 
 
@@ -18,7 +19,8 @@ class Critic:
         self.n_minibatches = cfg.ppo_n_minibatches or 1
         self.epochs = epochs  # the actor's ppo_epochs: both pass over the batch alike
         # The schedule counts optimiser steps: one per minibatch and epoch.
-        self.engine = FSDPValueEngine(cfg, total_steps=total_steps * self.n_minibatches * epochs,
+        self.engine = FSDPValueEngine(TrainEngineSpec.of(cfg),
+                                      total_steps=total_steps * self.n_minibatches * epochs,
                                       seed=seed)
         self.loss_fn = make_value_loss_fn(cfg)
 

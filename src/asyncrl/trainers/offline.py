@@ -117,7 +117,7 @@ class OfflineTrainer:
         cfg = self.cfg
         steps_per_epoch = math.ceil(len(train) / cfg.train_dataset.batch_size)
         total = min(cfg.total_train_epochs * steps_per_epoch, cfg.total_train_steps or 10**12)
-        engine = engine_cls(cfg.model.engine_config(), total_steps=total, seed=cfg.seed)
+        engine = engine_cls(cfg.model.engine_spec(), total_steps=total, seed=cfg.seed)
         engine.initialize()
         log_cfg = cfg.stats_logger if self.is_main else StatsLoggerConfig(
             jsonl=False, tensorboard=False, progress_bar=False)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
-from asyncrl.config.schema import ActorConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.training import checkpoint
 from asyncrl.training.dist import init_process_group, local_device
@@ -175,8 +175,11 @@ def _reduce_stats_across_ranks(stats: dict[str, float], device: torch.device) ->
 class FSDPTrainEngine:
     """A data-parallel FSDP2 policy (fp32 master weights, optional bf16 compute)."""
 
-    def __init__(self, cfg: ActorConfig, *, total_steps: int, seed: int = 1) -> None:
-        self.cfg = cfg
+    def __init__(self, spec: TrainEngineSpec, *, total_steps: int, seed: int = 1) -> None:
+        if not isinstance(spec, TrainEngineSpec):
+            raise TypeError(f"{type(self).__name__} takes a TrainEngineSpec (e.g. "
+                            f"TrainEngineSpec.of(cfg.actor)), got {type(spec).__name__}")
+        self.spec = spec
         self.total_steps = total_steps
         self.seed = seed
         self.steps_done = 0  # optimiser steps taken (restored by load_state)
@@ -198,35 +201,35 @@ class FSDPTrainEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = local_device()
         torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
-        path = resolve_model_path(self.cfg.path)
+        path = resolve_model_path(self.spec.path)
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
-        if self.cfg.gradient_checkpointing:
+        if self.spec.gradient_checkpointing:
             # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
             hf_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(hf_model)
         self._shard(self.model)
-        self.optimizer = make_optimizer(self.model.parameters(), self.cfg.optimizer)
-        self.lr_scheduler = make_lr_scheduler(self.optimizer, self.cfg.optimizer, self.total_steps)
+        self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer)
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, self.spec.optimizer, self.total_steps)
 
     def _wrap(self, hf_model: nn.Module) -> nn.Module:
         """The FSDP root around the HF model: its forward gives one number per chosen token."""
-        return TokenLogprobModel(hf_model, self.cfg.temperature)
+        return TokenLogprobModel(hf_model, self.spec.temperature)
 
     def _load_hf_model(self, path: str) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if self.cfg.init_from_scratch:
+        if self.spec.init_from_scratch:
             config = AutoConfig.from_pretrained(path)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
     def _shard(self, model: nn.Module) -> None:
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
-        if self.cfg.dtype == "bfloat16":
+        if self.spec.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
@@ -262,7 +265,7 @@ class FSDPTrainEngine:
     def _my_micro_batches(self, batch: TensorBatch) -> list[tuple[list[int], bool]]:
         """(rows, real) for this rank; a rank short of micro-batches repeats one, not real."""
         lengths = batch.seq_lens.tolist()
-        spec = self.cfg.mb_spec
+        spec = self.spec.mb_spec
         plans = plan_micro_batches(lengths, spec.max_tokens_per_mb, self.world_size,
                                    spec.granularity)
         mine = plans[self.rank]
@@ -354,7 +357,7 @@ class FSDPTrainEngine:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # per-shard partial norms -> the global norm
-        max_norm = self.cfg.optimizer.gradient_clipping
+        max_norm = self.spec.optimizer.gradient_clipping
         total = float(norm)
         # Scaling by a coefficient of 1 would be a wasted pass over every gradient.
         if 0 < max_norm < total:

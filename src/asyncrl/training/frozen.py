@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.config.schema import ActorConfig, ExperimentConfig, MicroBatchSpec
+from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.config.schema import ExperimentConfig, MicroBatchSpec
 from asyncrl.training.engine import FSDPTrainEngine
 
 
 def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int,
                   temperature: float = 1.0, init_from_scratch: bool = False) -> FSDPTrainEngine:
     """A never-stepped engine for the model at `path` (not initialised)."""
-    frozen_cfg = ActorConfig(path=path, dtype=dtype, mb_spec=mb_spec, temperature=temperature,
-                             init_from_scratch=init_from_scratch)
-    return FSDPTrainEngine(frozen_cfg, total_steps=1, seed=seed)
+    spec = TrainEngineSpec(path=path, dtype=dtype, mb_spec=mb_spec, temperature=temperature,
+                           init_from_scratch=init_from_scratch)
+    return FSDPTrainEngine(spec, total_steps=1, seed=seed)
 
 
 def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
@@ -72,4 +73,4 @@ def check_shared_vocab(student_vocab: dict[str, int], teacher_vocab: dict[str, i
 def check_teacher_vocab(student_tokenizer: Any, teacher: FSDPTrainEngine) -> None:
     """`check_shared_vocab` on an initialised teacher engine."""
     check_shared_vocab(student_tokenizer.get_vocab(), teacher.tokenizer.get_vocab(),
-                       teacher.model.hf.config.vocab_size, teacher_path=teacher.cfg.path)
+                       teacher.model.hf.config.vocab_size, teacher_path=teacher.spec.path)

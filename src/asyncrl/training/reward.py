@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from asyncrl.api.types import TensorBatch
-from asyncrl.config.schema import ActorConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.reward import last_token_scores, load_reward_model
 from asyncrl.training.engine import FSDPTrainEngine, targets_loss
 
@@ -42,14 +42,14 @@ class FSDPRewardEngine(FSDPTrainEngine):
     model's config, where RL scoring (`rewards/reward_model.py`) reads it back.
     """
 
-    def __init__(self, cfg: ActorConfig, *, total_steps: int, seed: int = 1,
+    def __init__(self, spec: TrainEngineSpec, *, total_steps: int, seed: int = 1,
                  system_prompt: str | None = None) -> None:
-        if cfg.mb_spec.granularity % 2:
+        if spec.mb_spec.granularity % 2:
             # Rows sorted by length into micro-batches would pair a chosen row with the
             # wrong rejected one, silently.
-            raise ValueError(f"mb_spec.granularity={cfg.mb_spec.granularity}: a reward model "
+            raise ValueError(f"mb_spec.granularity={spec.mb_spec.granularity}: a reward model "
                              "trains on (chosen, rejected) pairs; make it even (RMConfig sets 2)")
-        super().__init__(cfg, total_steps=total_steps, seed=seed)  # reads the shared keys
+        super().__init__(spec, total_steps=total_steps, seed=seed)
         self.system_prompt = system_prompt
 
     def _train_forward(self, model: nn.Module, mb: TensorBatch,
@@ -60,7 +60,7 @@ class FSDPRewardEngine(FSDPTrainEngine):
         return RewardModel(hf_model)
 
     def _load_hf_model(self, path: str) -> nn.Module:
-        model = load_reward_model(path, from_scratch=self.cfg.init_from_scratch)
+        model = load_reward_model(path, from_scratch=self.spec.init_from_scratch)
         # Set even when None: a reward model retrained without one must not keep the old one.
         model.config.system_prompt = self.system_prompt
         return model

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from asyncrl.api.types import TensorBatch
-from asyncrl.config.schema import CriticConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.training.engine import FSDPTrainEngine, targets_loss
 
 
@@ -41,8 +41,8 @@ class ValueModel(nn.Module):
 class FSDPValueEngine(FSDPTrainEngine):
     """A data-parallel FSDP2 critic; `compute_values` and `train_batch` give/take values."""
 
-    def __init__(self, cfg: CriticConfig, *, total_steps: int, seed: int = 1) -> None:
-        super().__init__(cfg, total_steps=total_steps, seed=seed)  # reads the shared keys
+    def __init__(self, spec: TrainEngineSpec, *, total_steps: int, seed: int = 1) -> None:
+        super().__init__(spec, total_steps=total_steps, seed=seed)
 
     def _train_forward(self, model: nn.Module, mb: TensorBatch,
                        n_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -59,7 +59,7 @@ class FSDPValueEngine(FSDPTrainEngine):
         # The head's dropout (0.1 when unset) would make values in training differ from
         # compute_values' (eval mode) ones. An attribute: from_pretrained drops unknown kwargs.
         config.classifier_dropout = 0.0
-        if self.cfg.init_from_scratch:
+        if self.spec.init_from_scratch:
             model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
         else:
             model = AutoModelForTokenClassification.from_pretrained(path, config=config,

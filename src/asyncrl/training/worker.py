@@ -26,6 +26,7 @@ from asyncrl.algorithms import (
 from asyncrl.algorithms.advantages import in_reward_kl_logprobs
 from asyncrl.api.types import TensorBatch
 from asyncrl.config import ExperimentConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.training.engine import FSDPTrainEngine
 from asyncrl.training.frozen import check_teacher_vocab, make_ref_engine, make_teacher_engine
@@ -60,7 +61,7 @@ class RLWorker:
 
         cfg = self.cfg
         # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
-        self.actor = FSDPTrainEngine(cfg.actor, seed=cfg.seed,
+        self.actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor), seed=cfg.seed,
                                      total_steps=total_steps * cfg.actor.updates_per_batch)
         self.actor.initialize()
         self.ref = make_ref_engine(cfg)
