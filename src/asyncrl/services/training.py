@@ -21,6 +21,7 @@ same order):
                                           bucket layout the servers are to receive
     POST /weights/broadcast           rank 0 sends the buckets (bounded by the timeout)
     POST /weights/close               leave the broadcast group
+    POST /weights/free_port {host}    a port free on this rank's host (the rendezvous's)
 
 Control is JSON; a batch travels as the bytes of a safetensors file of the `TensorBatch`
 fields (`encode_batch`), never as JSON numbers. If $ASYNCRL_API_KEY is set, every route
@@ -119,6 +120,7 @@ class TrainingService:
             web.post("/weights/gather", self.weights_gather),
             web.post("/weights/broadcast", self.weights_broadcast),
             web.post("/weights/close", self.weights_close),
+            web.post("/weights/free_port", self.weights_free_port),
         ])
         self.sender = None  # weights.broadcast.WeightSender, made by /weights/connect
 
@@ -216,6 +218,11 @@ class TrainingService:
             raise RuntimeError("no broadcast group: POST /weights/connect first")
         return web.json_response(await self._run(self.sender.broadcast))
 
+    async def weights_free_port(self, request: web.Request) -> web.Response:
+        from asyncrl.weights.broadcast import free_port
+
+        return web.json_response({"port": free_port(_str(await _json(request), "host"))})
+
     async def weights_close(self, request: web.Request) -> web.Response:
         if self.sender is not None:
             self.sender.close()
@@ -239,10 +246,14 @@ async def _json(request: web.Request) -> dict[str, Any]:
 
 
 def _path(body: dict[str, Any]) -> str:
-    path = body.get("path")
-    if not isinstance(path, str) or not path:
-        raise ValueError("'path' must be a non-empty string")
-    return path
+    return _str(body, "path")
+
+
+def _str(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"'{key}' must be a non-empty string")
+    return value
 
 
 # ---- the controller's client ----------------------------------------------------------
@@ -383,6 +394,10 @@ class RemoteWeightSender:
             raise BroadcastError(f"weight-update group at {master_address}:{master_port}: "
                                  f"{err}") from None
         return _RemoteGroup(self.client)
+
+    def free_port(self, host: str) -> int:
+        """A port free on rank 0's host (where the group's rendezvous listens)."""
+        return int(self.client._rank0("/weights/free_port", {"host": host})["port"])
 
     def adopt(self, group: _RemoteGroup) -> None:
         self.close()

@@ -141,6 +141,10 @@ class WeightSender:
     def connected(self) -> bool:
         return self._group is not None
 
+    def free_port(self, host: str) -> int:
+        """A port for the group's rendezvous, free on this (rank 0's) host."""
+        return free_port(host)
+
     def connect(self, master_address: str, master_port: int, world_size: int,
                 timeout: float, group_name: str = transport.GROUP_NAME) -> None:
         """Rank 0: host the group and return once its `world_size - 1` servers have joined
@@ -303,7 +307,7 @@ class BroadcastPublisher:
         """(Re)make the group: every server the client can reach joins, rank 0 hosts it."""
         self.sender.close()
         servers = self._run(self.engine.reachable_servers())
-        port = free_port(self.master_address)
+        port = self.sender.free_port(self.master_address)  # on the host of rank 0
         with self._lock:
             self._attempt += 1
             attempt, hosted = self._attempt, []
