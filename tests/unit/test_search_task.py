@@ -183,3 +183,31 @@ def test_worked_examples_are_well_formed_and_about_no_corpus_entity(corpus):
     assert sum("<tool_call>" in m["content"] for m in rendered) == 2
 
 
+
+
+def test_warm_start_episodes_search_the_subject_and_copy_the_answer(tmp_path):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples/agents/search/make_sft_data.py"
+    spec = importlib.util.spec_from_file_location("make_sft_data", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "sft.jsonl"
+    argv, sys.argv = sys.argv, ["make_sft_data.py", "--out", str(out), "--size", "8"]
+    try:
+        module.main()
+    finally:
+        sys.argv = argv
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    items = search_items(size=8, seed=0, hops=[1], split="train")
+    assert len(rows) == 8
+    for row, item in zip(rows, items):
+        *_, question, call, result, answer = row["messages"]
+        assert question == {"role": "user", "content": item["question"]}
+        assert call["role"] == "assistant" and '"name": "search"' in call["content"]
+        # The supporting document comes back first, and the answer copies its object.
+        assert result["content"].startswith("<tool_response>\n")
+        assert item["answer"] in result["content"]
+        assert answer["content"].endswith(f"<answer>{item['answer']}</answer>")
