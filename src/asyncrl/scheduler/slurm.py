@@ -209,6 +209,9 @@ class SlurmScheduler:
             i = pending[0]
             log = self.run_dir / "logs" / f"{role.spec.role}-{i}.log"
             state = self._state(role.jobs[i])
+            path = self._services(role.spec.role) / f"{i}.json"
+            if state not in ALIVE and path.exists():
+                continue  # it announced itself, then ended: the health check reports it
             if state not in ALIVE:
                 raise SchedulerError(f"Slurm job {role.jobs[i]} of {role.spec.role} ended "
                                      f"({state or 'left the queue'}) before worker {i} started; "
