@@ -86,8 +86,10 @@ class Trainer(Protocol):
     def compute_logprobs(self, tb: TensorBatch) -> torch.Tensor:
         ...
 
-    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
-        """The policy as an HF folder (weights in `dtype`, default the master fp32)."""
+    def save_hf(self, path: str, dtype: torch.dtype | None = None, *,
+                with_critic: bool = False) -> None:
+        """The policy as an HF folder (weights in `dtype`, default the master fp32); with
+        `with_critic`, the critic's (if any) beside it as `<path>_critic`."""
         ...
 
     def save_state(self, path: str) -> None:

@@ -45,8 +45,8 @@ class RayConfig:
 
 @dataclass(kw_only=True)
 class SlurmConfig:
-    partition: Optional[str] = None
-    account: Optional[str] = None
+    partition: Optional[str] = None  # sbatch --partition of every job (None: the default)
+    account: Optional[str] = None  # sbatch --account (None: the user's default)
     time: str = "24:00:00"  # sbatch --time of every job
     extra_sbatch_args: list[str] = field(default_factory=list)  # e.g. ["--qos=high"]
 

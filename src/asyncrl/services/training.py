@@ -12,7 +12,7 @@ same order):
     POST /initialize {total_steps}    load and shard the models (joins the process group)
     POST /train            <batch>    one RL step; the `train/` (and `critic/`) stats
     POST /compute_logprobs <batch>    the actor's log-probs, as a safetensors body
-    POST /save_hf {path, dtype?}      the actor as an HF folder (rank 0 writes)
+    POST /save_hf {path, dtype?, with_critic?}  the actor (and critic) as HF folders
     POST /save_state {path}           /load_state {path}: exact-resume state
     POST /destroy                     free the engines and the process group
     POST /weights/connect {master_address, master_port, world_size, timeout, group_name,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -179,7 +180,9 @@ class TrainingService:
     async def save_hf(self, request: web.Request) -> web.Response:
         self._require_initialized()
         body = await _json(request)
-        await self._run(self.worker.save_hf, _path(body), _dtype(body.get("dtype")))
+        await self._run(functools.partial(self.worker.save_hf, _path(body),
+                                          _dtype(body.get("dtype")),
+                                          with_critic=bool(body.get("with_critic", False))))
         return web.json_response({"ok": True})
 
     async def save_state(self, request: web.Request) -> web.Response:
@@ -331,8 +334,9 @@ class TrainingClient:
         return load_safetensors(self._all("/compute_logprobs", encode_batch(tb),
                                           _BINARY))["logprobs"]
 
-    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
-        payload: dict[str, Any] = {"path": str(path)}
+    def save_hf(self, path: str, dtype: torch.dtype | None = None, *,
+                with_critic: bool = False) -> None:
+        payload: dict[str, Any] = {"path": str(path), "with_critic": with_critic}
         if dtype is not None:
             payload["dtype"] = str(dtype).removeprefix("torch.")
         self._json_all("/save_hf", payload)

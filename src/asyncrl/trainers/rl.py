@@ -211,8 +211,7 @@ class RLTrainer:
     def _periodic(self, step: int) -> None:
         now = time.monotonic()
         if self.saver.due(step, now) or (step == self.total_steps and self.saver.enabled):
-            # The actor, and the critic (if any) beside it as step<N>_critic.
-            self.trainer.save_hf(str(self.paths.checkpoints / f"step{step}"))
+            self.trainer.save_hf(str(self.paths.checkpoints / f"step{step}"), with_critic=True)
         if self.cfg.recover.mode != "disabled" and self.checkpointer.due(step, now):
             recover.save_checkpoint(self.paths.recover, trainer=self.trainer,
                                     rollout=self.rollout, trainer_state={"step": step})

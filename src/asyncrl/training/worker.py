@@ -104,10 +104,12 @@ class RLWorker:
         """The actor's token log-probs [B, T] under its current weights."""
         return self._require_actor().compute_logprobs(tb)
 
-    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
-        """The actor as an HF folder at `path` (and the critic's beside it, `<path>_critic`)."""
+    def save_hf(self, path: str, dtype: torch.dtype | None = None, *,
+                with_critic: bool = False) -> None:
+        """The actor as an HF folder at `path`; `with_critic`: the critic's too, if there is
+        one, beside it as `<path>_critic`."""
         self._require_actor().save_hf(path, dtype=dtype)
-        if self.critic is not None and dtype is None:
+        if with_critic and self.critic is not None:
             self.critic.engine.save_hf(f"{path}_critic")
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
