@@ -81,8 +81,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model):
-    """A separate process that knows only the base_url and the admin key drives sessions."""
+@pytest.mark.parametrize("where", ["inline", "service"])
+def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model, where):
+    """A separate process that knows only the base_url and the admin key drives sessions,
+    with the proxy in the controller or in the agent service's own process (grants)."""
     port = _free_port()
     client = subprocess.Popen(
         [sys.executable, str(REPO / "examples/agents/online/client.py"),
@@ -93,8 +95,10 @@ def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model):
         cfg = tiny_run_config(tmp_path, tiny_model, "workflow.type=agent", "agent.mode=online",
                               "agent.admin_key=admin-key-e2e", f"agent.port={port}",
                               "actor.reward_norm=null",
-                              "rollout.max_head_offpolicyness=0", name="agent-online")
-        rows = _train_rows(train(cfg))
+                              "rollout.max_head_offpolicyness=0", f"scheduler.agent={where}",
+                              name=f"agent-online-{where}")
+        summary = train(cfg)
+        rows = _train_rows(summary)
     finally:
         out = client.communicate(timeout=60)[0]
     assert [r["step"] for r in rows] == [1, 2]
@@ -103,3 +107,32 @@ def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model):
     assert all(r["rollout/staleness_max"] == 0 for r in rows)
     assert rows[-1]["sessions/started"] >= 4 and rows[-1]["sessions/rejected_429"] > 0
     assert "Traceback" not in out, out
+    agent = [s for s in summary["services"] if s["role"] == "agent"]
+    assert agent == ([] if where == "inline" else
+                     [{"role": "agent", "index": 0, "address": f"http://127.0.0.1:{port}",
+                       "node_id": agent[0]["node_id"]}])
+
+
+def test_agent_service_process_runs_inline_agents(tmp_path, tiny_model):
+    """scheduler.agent=service: the proxy is its own process; the controller opens and
+    closes the sessions of its inline agent over HTTP and trains on what comes back."""
+    export = tmp_path / "sessions"
+    cfg = tiny_run_config(tmp_path, tiny_model, "workflow.type=agent",
+                          "agent.fn=toy_agents:two_turns", f"agent.export_dir={export}",
+                          "scheduler.agent=service", name="agent-service")
+    summary = train(cfg)
+    rows = _train_rows(summary)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["train/grad_norm"] > 0 and rows[-1]["rollout/episodes_failed"] == 0
+    # The service counted the sessions (2 steps x 2 items x 2 samples at least) ...
+    assert rows[-1]["sessions/ended"] >= 8 and rows[-1]["agent/completions"] >= 16
+    [agent] = [s for s in summary["services"] if s["role"] == "agent"]
+    assert summary["agent_base_url"] == agent["address"] + "/v1"
+    # ... and its process wrote them: each ended session has both turns, token for token.
+    sessions = [json.loads(x) for x in (export / "sessions.jsonl").read_text().splitlines()]
+    ended = [s for s in sessions if s["status"] == "ended"]
+    assert len(ended) >= 8 and all(len(s["completions"]) == 2 for s in ended)
+    trained = set()
+    for line in (Path(summary["run_dir"]) / "batches.jsonl").read_text().splitlines():
+        trained |= set(json.loads(line)["group_ids"])
+    assert len(trained) == 2 * 2  # 2 steps x 2 episodes, each one group

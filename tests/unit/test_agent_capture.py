@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.agents.capture import Completion, export, parents, returns
-from asyncrl.agents.drift import check_template_drift
+from asyncrl.services.drift import check_template_drift
 from asyncrl.agents.online import OnlineAdmission, TaskBaseline
 from asyncrl.agents.runner import parse_reward_line, resolve_agent
 from asyncrl.agents.session import SessionStatus, SessionStore

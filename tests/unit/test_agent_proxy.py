@@ -334,33 +334,64 @@ def test_streamed_responses_and_anthropic_requests_are_recorded_too(tokenizer):
                                                                  add_special_tokens=False)
 
 
-def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenizer):
+@pytest.mark.parametrize("where", ["inline", "service"])
+def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenizer, where):
+    """The same episodes with the proxy in this process and behind the agent service's
+    HTTP client (services/agent.py): a version-lagged session drops its episode."""
+    from asyncrl.services.agent import AgentClient, AgentService
+    from asyncrl.services.agent_proxy import LocalSessions
     from asyncrl.workflows.agent import AgentSpec, AgentWorkflow
 
     version = {"v": 0}
+    client = None
+
+    async def set_version(v):
+        version["v"] = v
+        if client is not None:
+            await client.set_version(v)
 
     async def agent(base_url, api_key, item):
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
-        version["v"] = 5  # the trainer moved on while the agent was thinking
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+        llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        await set_version(5)  # the trainer moved on while the agent was thinking
+        await llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
         return 1.0
 
     async def ok_agent(base_url, api_key, item):
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
         return 0.5
 
     async def main():
-        proxy, _ = await start_proxy(tokenizer, ["x"], version=lambda: version["v"],
-                                     max_session_version_lag=2)
-        dropped = await AgentWorkflow(proxy, agent, AgentSpec(n_samples=2)).run(None, {"id": "i"})
-        version["v"] = 0
-        kept = await AgentWorkflow(proxy, ok_agent, AgentSpec(n_samples=2)).run(None, {"id": "j"})
+        nonlocal client
+        engine = ScriptedEngine(tokenizer, ["x"])
+        proxy = AgentProxy(engine, tokenizer, "policy", admin_key=ADMIN,
+                           version=lambda: version["v"], max_session_version_lag=2)
+        if where == "service":
+            AgentService(proxy, engine)
+        await proxy.start("127.0.0.1", 0)
+        if where == "service":
+            client = AgentClient(root(proxy), ADMIN)
+            sessions = client
+        else:
+            sessions = LocalSessions(proxy)
+        dropped = await AgentWorkflow(sessions, agent, AgentSpec(n_samples=2)).run(None, {"id": "i"})
+        await set_version(0)
+        kept = await AgentWorkflow(sessions, ok_agent, AgentSpec(n_samples=2)).run(None, {"id": "j"})
         stats = proxy.stats()
+        if client is not None:
+            assert await client.stats() == stats
+            await client.close_client()
         await proxy.stop()
         return dropped, kept, stats
 
     dropped, kept, stats = run(main())
     assert dropped is None and stats["sessions/version_lag"] >= 1
     assert [t.reward for t in kept] == [0.5, 0.5] and kept[0].group_id == kept[1].group_id
+    # The trajectories are the engine's tokens: prompt masked, output ids and log-probs exact.
+    out_ids = tokenizer.encode("x") + [tokenizer.eos_token_id]
+    for t in kept:
+        n = len(out_ids)
+        assert t.input_ids[-n:] == out_ids and t.loss_mask[-n:] == [1] * n
+        assert sum(t.loss_mask) == n
+        assert t.behavior_logprobs[-n:] == pytest.approx([-0.01 * j for j in range(n)])

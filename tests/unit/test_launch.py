@@ -18,7 +18,7 @@ def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "4"]
     assert argv[argv.index("--worker-extension-cls") + 1] == (
-        "asyncrl.inference.vllm_worker.WeightSyncExtension")
+        "asyncrl.engine.vllm_worker.WeightSyncExtension")
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no traffic off the machine
     assert env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -157,6 +157,23 @@ def test_local_restart_after_a_kill_and_delete_leave_no_process(local):
     assert not pid_alive(new.pid) and local.get_workers("inference") == []
 
 
+def test_a_fixed_port_is_kept_and_a_taken_one_is_an_error(local):
+    import socket
+
+    from asyncrl.scheduler import WorkerSpec
+    from asyncrl.scheduler.base import free_port
+
+    port = free_port()
+    [worker] = local.create_workers(WorkerSpec("agent", 1, health_server(), cpus=0, port=port))
+    assert worker.address == f"http://127.0.0.1:{port}" and local.check_health("agent") == [True]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        with pytest.raises(SchedulerError, match=f"port {taken} on 127.0.0.1, which is taken"):
+            local.create_workers(WorkerSpec("other", 1, health_server(), cpus=0, port=taken))
+
+
 def test_a_worker_that_exits_during_start_up_is_an_error_with_its_log(local):
     import sys
 

@@ -1,19 +1,25 @@
 """Worked search episodes as SFT rows: a warm start that teaches SmolLM2 the call format.
 
     python examples/agents/search/make_sft_data.py --out runs/search_sft.jsonl --size 256
+    python examples/agents/search/make_sft_data.py --out runs/search_sft.jsonl --size 256 \
+        --hops 1 2 --two-hop-fraction 0.25
 
-Each row is one training-split one-hop question done right, as the agent's conversation
-in the text the proxy shows the model (SmolLM2's template has no tools, so tools, calls and
+Each row is one training-split question done right, as the agent's conversation in the
+text the proxy shows the model (SmolLM2's template has no tools, so tools, calls and
 results are written in the Hermes form): the agent's own prompt (system text with the tool
 block, its two worked examples), the question, "I will search for it." and a `search` call
-for the question's subject, the tool's real result, the tagged answer. `asyncrl sft` learns every assistant turn (`examples/sft/search_sft_cpu.yaml`);
-the RL run then starts from it (`search_cpu.yaml actor.path=<checkpoint>`). Validation
-questions are never used.
+for the question's subject, the tool's real result, and the tagged answer. A two-hop
+question gets a second turn between them: the entity the first result names ("Now I will
+search for Brask.") and a second call for it, as the agent's third turn allows.
+`asyncrl sft` learns every assistant turn (`examples/sft/search_sft_cpu.yaml`); the RL run
+then starts from it (`search_cpu.yaml actor.path=<checkpoint>`). Validation questions are
+never used.
 """
 
 import argparse
 import asyncio
 import json
+import random
 from pathlib import Path
 
 from asyncrl.agents.search import FEW_SHOT, SYSTEM_PROMPT, SearchTool, make_corpus, search_items
@@ -21,19 +27,41 @@ from asyncrl.agents.tools import ToolBox
 from asyncrl.services.tool_calls import hermes_messages
 
 
-def episode(item: dict, subjects: dict[str, str]) -> dict:
-    toolbox = ToolBox([SearchTool.for_item(item)])
-    query = subjects[item["metadata"]["supporting_doc_ids"][0]]
-    call = {"id": "call_0", "type": "function",
+def _call(i: int, query: str) -> dict:
+    return {"id": f"call_{i}", "type": "function",
             "function": {"name": "search", "arguments": json.dumps({"query": query})}}
-    [result] = asyncio.run(toolbox.run_tool_calls([call]))
+
+
+def episode(item: dict, subjects: dict[str, str]) -> dict:
+    """The conversation of one item done right: one search per supporting document."""
+    toolbox = ToolBox([SearchTool.for_item(item)])
+    queries = [subjects[d] for d in item["metadata"]["supporting_doc_ids"]]
+    leads = ["I will search for it."] + [f"Now I will search for {q}." for q in queries[1:]]
     answer = item["answer"]
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT,
-                {"role": "user", "content": item["question"]},
-                {"role": "assistant", "content": "I will search for it.", "tool_calls": [call]},
-                result,
-                {"role": "assistant", "content": f"The answer is {answer}.\n<answer>{answer}</answer>"}]
+                {"role": "user", "content": item["question"]}]
+    for i, (lead, query) in enumerate(zip(leads, queries)):
+        call = _call(i, query)
+        [result] = asyncio.run(toolbox.run_tool_calls([call]))
+        messages += [{"role": "assistant", "content": lead, "tool_calls": [call]}, result]
+    messages.append({"role": "assistant",
+                     "content": f"The answer is {answer}.\n<answer>{answer}</answer>"})
     return {"messages": hermes_messages(messages, toolbox.specs, None)}
+
+
+def worked_items(size: int, seed: int, corpus_seed: int, n_entities: int, hops: list[int],
+                 two_hop_fraction: float) -> list[dict]:
+    """`size` training questions: one-hop, plus `two_hop_fraction` of two-hop ones if asked."""
+    n_two = round(size * two_hop_fraction) if 2 in hops else 0
+    n_one = size - n_two if 1 in hops else 0
+    if n_one + n_two != size:
+        raise ValueError(f"--hops {hops} with --two-hop-fraction {two_hop_fraction} cannot "
+                         f"give {size} rows; use --hops 1 2 or a fraction of 0 or 1")
+    kw = {"seed": seed, "corpus_seed": corpus_seed, "n_entities": n_entities, "split": "train"}
+    items = (search_items(size=n_one, hops=[1], **kw) if n_one else []) + \
+            (search_items(size=n_two, hops=[2], **kw) if n_two else [])
+    random.Random(seed).shuffle(items)
+    return items
 
 
 def main() -> None:
@@ -44,9 +72,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-seed", type=int, default=0)
     p.add_argument("--n-entities", type=int, default=200)
+    p.add_argument("--hops", type=int, nargs="+", default=[1], choices=[1, 2])
+    p.add_argument("--two-hop-fraction", type=float, default=0.25,
+                   help="share of two-hop rows when --hops has 2 (default 0.25)")
     args = p.parse_args()
-    items = search_items(size=args.size, seed=args.seed, corpus_seed=args.corpus_seed,
-                         n_entities=args.n_entities, hops=[1], split="train")
+    items = worked_items(args.size, args.seed, args.corpus_seed, args.n_entities, args.hops,
+                         args.two_hop_fraction)
     subjects = {d["id"]: d["subject"] for d in make_corpus(args.corpus_seed, args.n_entities)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

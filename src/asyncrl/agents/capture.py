@@ -61,6 +61,11 @@ class Completion:
                 "text": self.text, "reward": self.reward, "created": self.created,
                 "request": self.request}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Completion:
+        """The inverse of `to_dict` (a completion sent between processes)."""
+        return cls(**{**d, "stop_reason": StopReason(d["stop_reason"])})
+
 
 @dataclass
 class Export:

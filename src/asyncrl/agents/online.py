@@ -68,6 +68,10 @@ class OnlineAdmission:
 
     async def _finish(self, session: Session) -> list[Trajectory] | None:
         await session.done
+        return self.outcome(session)
+
+    def outcome(self, session: Session) -> list[Trajectory] | None:
+        """An ended session's trajectories (baseline subtracted), or None: not trainable."""
         if session.status is not SessionStatus.ENDED:
             return None  # counted by the proxy under its status, and logged there
         if not session.has_reward or not session.completions:

@@ -86,6 +86,20 @@ class Session:
     def has_reward(self) -> bool:
         return any(c.reward is not None for c in self.completions)
 
+    def to_record(self) -> dict[str, Any]:
+        """The session as JSON with its completions (what a remote workflow exports)."""
+        return {"session_id": self.id, "task_id": self.task_id, "status": self.status.value,
+                "reason": self.reason, "start_version": self.start_version,
+                "completions": [c.to_dict() for c in self.completions]}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Session:
+        """An ended session rebuilt from `to_record` (no key, no future: a read-only copy)."""
+        return cls(id=record["session_id"], api_key="", task_id=record["task_id"],
+                   start_version=record["start_version"],
+                   status=SessionStatus(record["status"]), reason=record["reason"],
+                   completions=[Completion.from_dict(c) for c in record["completions"]])
+
     def summary(self) -> dict[str, Any]:
         return {"session_id": self.id, "task_id": self.task_id, "status": self.status.value,
                 "reason": self.reason, "n_completions": len(self.completions),

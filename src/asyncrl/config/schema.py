@@ -61,6 +61,10 @@ class SchedulerConfig:
     trainer: Literal["auto", "inline", "service"] = "auto"
     # Seconds one call to the trainer ranks (a whole RL step, a save) may take.
     trainer_timeout: float = 3600.0
+    # Where the agent proxy runs (workflow.type=agent): `inline` on the controller's rollout
+    # loop, `service` as its own process (services/agent.py) started by the scheduler;
+    # `auto`: inline under the local scheduler, else service.
+    agent: Literal["auto", "inline", "service"] = "auto"
     # CPU cores given to the inference server(s) and to the trainer. On a CPU machine both run
     # at once; None splits the machine's cores evenly. Servers are pinned to their cores.
     # Under ray and slurm: the cores of each server and of each trainer rank (default 1).

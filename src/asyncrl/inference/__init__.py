@@ -3,8 +3,9 @@
 client.py (`RemoteInferenceEngine`, for our own `local` server in `asyncrl.engine`),
 vllm.py and sglang.py, all over base.py's shared HTTP plumbing; resubmit.py stitches a
 generation across the aborts of a weight update; backends.py picks a client by backend
-name. vllm_worker.py is loaded into vLLM's workers by name (the server side of vllm.py's
-weight reload). Server command lines live in `asyncrl.scheduler.commands`.
+name. The server side of vllm.py's weight reload runs inside vLLM's workers, so it lives
+with the engines (`asyncrl.engine.vllm_worker`). Server command lines live in
+`asyncrl.scheduler.commands`.
 Names are imported lazily so that importing one client does not load the others.
 """
 

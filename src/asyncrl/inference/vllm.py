@@ -8,8 +8,8 @@ Endpoints used (the server needs VLLM_SERVER_DEV_MODE=1 for /collective_rpc):
 - POST /pause?mode=abort: every request in flight ends with finish_reason "abort" and the
   tokens it has; new requests wait until /resume. mode=keep freezes them instead.
 - POST /collective_rpc {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": folder}}:
-  vLLM's `reload_weights` plus re-tying of shared weights (vllm_worker.py; the server is
-  started with --worker-extension-cls asyncrl.inference.vllm_worker.WeightSyncExtension).
+  vLLM's `reload_weights` plus re-tying of shared weights (engine/vllm_worker.py; the server is
+  started with --worker-extension-cls asyncrl.engine.vllm_worker.WeightSyncExtension).
 - POST /update_weight_version {"new_version": "N"}; GET /weight_info -> {"weight_version"}.
 - Broadcast (vLLM's weight-transfer API; the server is started with --weight-transfer-config
   '{"backend": "nccl"}', GPU only): POST /init_weight_transfer_engine {"init_info":

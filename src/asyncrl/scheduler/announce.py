@@ -21,7 +21,7 @@ import socket
 import sys
 from pathlib import Path
 
-from asyncrl.scheduler.base import WorkerSpec, free_port
+from asyncrl.scheduler.base import WorkerSpec
 
 
 def node_address() -> str:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --spec or a command after --")
     index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", "0"))
     host = args.host or node_address()
-    port = free_port(host)
+    port = spec.pick_port(host)
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", spec.cpus))
     values = {"host": host, "port": str(port), "index": str(index), "cpus": str(cpus),
               "cores": ",".join(map(str, sorted(os.sched_getaffinity(0))))}

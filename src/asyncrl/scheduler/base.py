@@ -51,6 +51,9 @@ class WorkerSpec:
     worker_args: list[list[str]] | None = None  # appended to worker i's argv (e.g. its seed)
     cores: list[list[int]] | None = None  # local only: affinity per worker ([] : unpinned)
     gpu_ids: list[list[int]] | None = None  # local only: GPUs per worker (overrides gpus)
+    # A fixed port for every worker (a service whose clients are told its address in
+    # advance, e.g. agent.port); None: a free port the scheduler picks. Taken: an error.
+    port: int | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1 or not self.command:
@@ -61,6 +64,15 @@ class WorkerSpec:
             if per is not None and len(per) != self.count:
                 raise ValueError(f"WorkerSpec {self.role!r}: {name} has {len(per)} entries "
                                  f"for count={self.count} workers")
+
+    def pick_port(self, host: str) -> int:
+        """The fixed port if it is free on `host`, else a free one when none is fixed."""
+        if self.port is None:
+            return free_port(host)
+        if not port_is_free(host, self.port):
+            raise SchedulerError(f"role {self.role!r} asks for port {self.port} on {host}, "
+                                 "which is taken; free it or choose another port")
+        return self.port
 
     def argv(self, index: int, values: dict[str, str]) -> list[str]:
         """Worker `index`'s argv with its placeholders filled."""

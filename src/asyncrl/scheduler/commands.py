@@ -43,8 +43,8 @@ def server_argv(backend: str, model_path: str, host: str, port: str, *, dtype: s
                 model_path, *address, "--dtype", dtype,
                 # log_softmax(logits / T) of the sampled token: what the trainer recomputes
                 "--logprobs-mode", "processed_logprobs",
-                # reload_weights that keeps tied embeddings tied (see vllm_worker.py)
-                "--worker-extension-cls", "asyncrl.inference.vllm_worker.WeightSyncExtension"]
+                # reload_weights that keeps tied embeddings tied (see engine/vllm_worker.py)
+                "--worker-extension-cls", "asyncrl.engine.vllm_worker.WeightSyncExtension"]
         if device == "cpu":
             # Eager mode starts fast; the KV cache is given in GB on CPU (VLLM_CPU_KVCACHE_SPACE).
             argv += ["--enforce-eager", "--gpu-memory-utilization", "0.3"]

@@ -111,7 +111,8 @@ class LocalScheduler:
                 env = dict(rank_env[i])
                 if gpus[i]:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[i]))
-                self.procs[spec.role].append(self._spawn(spec, i, cores[i], env, free_port()))
+                self.procs[spec.role].append(self._spawn(spec, i, cores[i], env,
+                                                           spec.pick_port(HOST)))
             self._wait_healthy(self.procs[spec.role])
         except BaseException:
             self.delete_workers(spec.role)
@@ -131,7 +132,8 @@ class LocalScheduler:
         """Stop worker `index` if it runs and start it again, on the same port when free."""
         old = self.procs[role][index]
         process.stop([old.proc])
-        port = old.worker.port if port_is_free(HOST, old.worker.port) else free_port()
+        port = old.worker.port if port_is_free(HOST, old.worker.port) \
+            else self.specs[role].pick_port(HOST)
         self.procs[role][index] = new = self._spawn(self.specs[role], index, old.cores, old.env,
                                                     port)
         self._wait_healthy([new])

@@ -61,7 +61,7 @@ class WorkerActor:
         """Start worker `index` of `spec` (on `port` if free); returns (host, port, pid)."""
         host = ray.util.get_node_ip_address()
         if port is None or not port_is_free(host, port):
-            port = free_port(host)
+            port = spec.pick_port(host)
         cores = sorted(os.sched_getaffinity(0))
         values = {"host": host, "port": str(port), "index": str(index),
                   "cpus": str(spec.cpus), "cores": ",".join(map(str, cores))}

@@ -3,6 +3,8 @@
     POST /rl/start_session {task_id?, api_key?}     admin key  -> {session_id, api_key}
     POST /rl/set_reward {reward, completion_id?}    session key (or admin key + session_id)
     POST /rl/end_session {}                         session key (or admin key + session_id)
+    POST /rl/close_session {session_id, reward?, failure?}
+                                                    admin key: end it, return it whole
     GET  /rl/sessions                               admin key: counts and active sessions
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages; GET /v1/models
                                                     session key (Bearer, or x-api-key)
@@ -41,7 +43,7 @@ import signal
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
@@ -62,6 +64,11 @@ class Admission(Protocol):
     """Whether a session may start now; `start(version)` makes it when it may."""
 
     def admit(self, start: Callable[[int], Session]) -> Session | None: ...
+
+
+# What `close_session` did: ended it; it had ended before; it failed; a reward came for a
+# session without a completion (ended as failed).
+CloseOutcome = Literal["ended", "already_ended", "failed", "no_completion"]
 
 
 class SessionLimit:
@@ -194,6 +201,7 @@ class AgentProxy:
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
         self.base_url = ""
+        self.extra_routes: list[web.RouteDef] = []  # served beside the proxy's own (services/agent.py)
 
     # ---- sessions (in-process API) ------------------------------------------------------
 
@@ -209,6 +217,30 @@ class AgentProxy:
     def end_session(self, session: Session, status: SessionStatus = SessionStatus.ENDED,
                     reason: str = "") -> bool:
         return self.store.end(session, status, reason)
+
+    def close_session(self, session: Session, *, reward: float | None = None,
+                      failure: str | None = None) -> CloseOutcome:
+        """End the session its runner started, once its agent returned (or failed).
+
+        `failure`: the agent failed; the session ends as `failed` with that reason. Else
+        `reward` (the agent's return value; None: it set its rewards itself) goes to the
+        last completion and the session ends. A session that had already ended keeps its
+        status; one its agent ended itself (`ended`) still takes the returned reward.
+        """
+        if failure is not None:
+            return "failed" if self.store.end(session, SessionStatus.FAILED, failure) \
+                else "already_ended"
+        if reward is not None and not session.completions:
+            self.store.end(session, SessionStatus.FAILED, "no model call")
+            return "no_completion"
+        if not session.active:
+            if session.status is SessionStatus.ENDED and reward is not None:
+                session.completions[-1].reward = float(reward)
+            return "already_ended"
+        if reward is not None:
+            session.set_reward(reward)
+        self.store.end(session, SessionStatus.ENDED)
+        return "ended"
 
     def _ended(self, session: Session) -> None:
         self._ended_keys[session.api_key] = session.id
@@ -240,6 +272,7 @@ class AgentProxy:
             web.post("/rl/start_session", self._start_session),
             web.post("/rl/set_reward", self._set_reward),
             web.post("/rl/end_session", self._end_session),
+            web.post("/rl/close_session", self._close_session),
             web.get("/rl/sessions", self._sessions),
             web.get("/v1/models", self._models),
             web.post("/v1/chat/completions", self._chat),
@@ -249,6 +282,7 @@ class AgentProxy:
         messages = AnthropicRoutes(self._chat_fn, self.model_name)
         app.router.add_post("/v1/responses", self._wrap("responses", responses.create))
         app.router.add_post("/v1/messages", self._wrap("messages", messages.create))
+        app.add_routes(self.extra_routes)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -285,7 +319,7 @@ class AgentProxy:
         return web.json_response({"status": "ok", "version": self.version(),
                                   "active_sessions": len(self.store.active())})
 
-    def _is_admin(self, request: web.Request) -> bool:
+    def is_admin(self, request: web.Request) -> bool:
         key = _bearer(request)
         return bool(self.admin_key and key
                     and hmac.compare_digest(key.encode(), self.admin_key.encode()))
@@ -294,19 +328,36 @@ class AgentProxy:
         if not self.admin_key:
             return _error(403, "starting sessions over HTTP needs the proxy to have an admin "
                           "key (--admin-key / agent.admin_key)")
-        if not self._is_admin(request):
+        if not self.is_admin(request):
             return _error(401, "missing or wrong admin key (Authorization: Bearer <admin key>)",
                           code="invalid_api_key")
-        body = await _rl_body(request, {"task_id", "api_key"})
+        body = await _rl_body(request, {"task_id", "api_key", "sampling", "admitted",
+                                        "start_version"})
         if isinstance(body, web.Response):
             return body
         task_id, api_key = body.get("task_id"), body.get("api_key")
         for name, value in (("task_id", task_id), ("api_key", api_key)):
             if value is not None and not isinstance(value, str):
                 return _error(400, f"{name} must be a string", param=name)
+        sampling = body.get("sampling", {})
+        if not isinstance(sampling, dict):
+            return _error(400, "sampling must be an object of sampling fields", param="sampling")
+        admitted, start_version = body.get("admitted", False), body.get("start_version")
+        if not isinstance(admitted, bool):
+            return _error(400, "admitted must be true or false", param="admitted")
+        if start_version is not None and (not admitted or isinstance(start_version, bool)
+                                          or not isinstance(start_version, int)):
+            return _error(400, "start_version (an integer) goes only with admitted=true",
+                          param="start_version")
+
+        def start(version: int) -> Session:
+            return self.start_session(task_id=task_id, api_key=api_key, sampling=sampling,
+                                      start_version=version)
         try:
-            session = self.admission.admit(lambda version: self.start_session(
-                task_id=task_id, api_key=api_key, start_version=version))
+            # admitted: the caller (a trainer's agent runner) already counted this episode
+            # under its staleness bound, so the proxy's own admission is not asked.
+            session = start(self.version() if start_version is None else start_version) \
+                if admitted else self.admission.admit(start)
         except SessionError as e:
             return _error(e.status, str(e), param="api_key")
         if session is None:
@@ -319,7 +370,7 @@ class AgentProxy:
 
     def _target(self, request: web.Request, body: dict) -> Session | web.Response:
         """The session a /rl call is about: the caller's key, or admin key + session_id."""
-        if self._is_admin(request):
+        if self.is_admin(request):
             if not isinstance(body.get("session_id"), str):
                 return _error(400, "session_id (a string) is needed with the admin key",
                               param="session_id")
@@ -332,16 +383,22 @@ class AgentProxy:
                           "its session", param="session_id")
         return self._session(request)
 
-    async def _set_reward(self, request: web.Request) -> web.Response:
-        body = await _rl_body(request, {"reward", "completion_id", "session_id"})
+    async def _session_call(self, request: web.Request,
+                            allowed: set[str]) -> tuple[dict, Session] | web.Response:
+        """The body of a /rl/* call about one session, and that session."""
+        body = await _rl_body(request, allowed | {"session_id"})
         if isinstance(body, web.Response):
             return body
         session = self._target(request, body)
-        if isinstance(session, web.Response):
-            return session
+        return session if isinstance(session, web.Response) else (body, session)
+
+    async def _set_reward(self, request: web.Request) -> web.Response:
+        call = await self._session_call(request, {"reward", "completion_id"})
+        if isinstance(call, web.Response):
+            return call
+        body, session = call
         reward = body.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
-                or not math.isfinite(reward):
+        if not _is_reward(reward):
             return _error(400, f"reward must be a finite number, got {reward!r}", param="reward")
         cid = body.get("completion_id")
         if cid is not None and not isinstance(cid, str):
@@ -355,18 +412,31 @@ class AgentProxy:
                                   "reward": target.reward})
 
     async def _end_session(self, request: web.Request) -> web.Response:
-        body = await _rl_body(request, {"session_id"})
-        if isinstance(body, web.Response):
-            return body
-        session = self._target(request, body)
-        if isinstance(session, web.Response):
-            return session
+        call = await self._session_call(request, set())
+        if isinstance(call, web.Response):
+            return call
+        _, session = call
         if not self.store.end(session, SessionStatus.ENDED, "end_session"):
             return _error(409, f"session {session.id} already ended ({session.status.value})")
         return web.json_response(session.summary())
 
+    async def _close_session(self, request: web.Request) -> web.Response:
+        if not self.is_admin(request):
+            return _error(401, "missing or wrong admin key", code="invalid_api_key")
+        call = await self._session_call(request, {"reward", "failure"})
+        if isinstance(call, web.Response):
+            return call
+        body, session = call
+        reward, failure = body.get("reward"), body.get("failure")
+        if reward is not None and not _is_reward(reward):
+            return _error(400, f"reward must be a finite number, got {reward!r}", param="reward")
+        if failure is not None and not isinstance(failure, str):
+            return _error(400, "failure must be a string (why the agent failed)", param="failure")
+        outcome = self.close_session(session, reward=reward, failure=failure)
+        return web.json_response({"outcome": outcome, "session": session.to_record()})
+
     async def _sessions(self, request: web.Request) -> web.Response:
-        if not self._is_admin(request):
+        if not self.is_admin(request):
             return _error(401, "missing or wrong admin key", code="invalid_api_key")
         return web.json_response({"counts": self.stats(), "version": self.version(),
                                   "active": [s.summary() for s in self.store.active()]})
@@ -497,6 +567,36 @@ class AgentProxy:
             self._raw.setdefault(session.id, {})[_assistant_key(content, calls)] = text
 
 
+class LocalSessions:
+    """An agent workflow's sessions on a proxy in this process (the workflow's `SessionHost`)."""
+
+    def __init__(self, proxy: AgentProxy) -> None:
+        self.proxy = proxy
+
+    @property
+    def base_url(self) -> str:
+        return self.proxy.base_url
+
+    async def open(self, *, task_id: str, sampling: dict[str, Any]) -> tuple[str, str]:
+        session = self.proxy.start_session(task_id=task_id, sampling=sampling)
+        return session.id, session.api_key
+
+    async def close(self, session_id: str, *, reward: float | None = None,
+                    failure: str | None = None) -> tuple[CloseOutcome, Session]:
+        session = self.proxy.store.get(session_id)
+        return self.proxy.close_session(session, reward=reward, failure=failure), session
+
+    def abandon(self, session_id: str, reason: str) -> None:
+        session = self.proxy.store.by_id.get(session_id)
+        if session is not None:
+            self.proxy.end_session(session, SessionStatus.FAILED, reason)
+
+
+def _is_reward(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and math.isfinite(value)
+
+
 def _retry_count(request: web.Request) -> int:
     try:
         return int(request.headers.get("x-stainless-retry-count", "0"))
@@ -527,7 +627,7 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
 
     Each finished session is written to `export_dir` (sessions.jsonl, trajectories.jsonl).
     """
-    from asyncrl.agents.drift import check_template_drift
+    from asyncrl.services.drift import check_template_drift
     from asyncrl.agents.export import SessionWriter
     from asyncrl.services.gateway import backend_model, load_tokenizer, make_engine
 
@@ -544,14 +644,21 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
                        on_end=writer, tool_parser=tool_parser)
     proxy.admission = SessionLimit(proxy.store, max_sessions)
     logger.info("%s", check_template_drift(tok, proxy.routes.native_tools).describe())
+    print(f"asyncrl agent proxy: sessions written to "
+          f"{export_dir or 'nowhere (no --export-dir)'}", flush=True)
+    await serve_until_signalled(proxy, engine, host, port, "asyncrl agent proxy")
+
+
+async def serve_until_signalled(proxy: AgentProxy, engine: Any, host: str, port: int,
+                                banner: str) -> None:
+    """Serve `proxy` until SIGTERM/SIGINT, then end its sessions and close `engine`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await proxy.start(host, port)
-    print(f"asyncrl agent proxy: OpenAI base_url {proxy.base_url}; sessions written to "
-          f"{export_dir or 'nowhere (no --export-dir)'}", flush=True)
-    print(f"asyncrl agent proxy listening on {proxy.base_url.removesuffix('/v1')}", flush=True)
+    print(f"{banner}: OpenAI base_url {proxy.base_url}", flush=True)
+    print(f"{banner} listening on {proxy.base_url.removesuffix('/v1')}", flush=True)
     try:
         await stop.wait()
     finally:

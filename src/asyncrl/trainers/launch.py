@@ -1,10 +1,13 @@
-"""Starting an RL run's processes under its scheduler: inference servers and trainer ranks.
+"""Starting an RL run's processes under its scheduler: servers, trainer ranks, agent proxy.
 
-The same two roles under every scheduler (under ray and slurm each binds its node's address
+The same roles under every scheduler (under ray and slurm each binds its node's address
 and takes an API key made for the run):
 - `inference`: `rollout.n_servers` servers of `rollout.backend` (allocation_mode's d<N>);
 - `trainer`: `fsdp:d<M>` training-service ranks (`services/training.py`), unless the one
   rank runs inline in the controller (`scheduler.trainer`: auto is inline for one rank
+  under the local scheduler);
+- `agent` (workflow.type=agent): the agent proxy as its own process (`services/agent.py`),
+  unless it runs on the controller's rollout loop (`scheduler.agent`: auto is inline
   under the local scheduler).
 On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after).
 On a CPU machine the local scheduler splits the cores between the servers and the trainer
@@ -26,6 +29,7 @@ from asyncrl.models.hub import resolve_model_path
 from asyncrl.scheduler.base import Scheduler, WorkerSpec
 from asyncrl.scheduler.commands import inference_spec
 from asyncrl.scheduler.local import LocalScheduler, split_cores
+from asyncrl.services.agent import AgentClient
 from asyncrl.services.training import TrainingClient
 from asyncrl.trainers.paths import RunPaths
 
@@ -37,6 +41,32 @@ class Services:
     inference: list[str]  # the servers' addresses
     trainer: Trainer | None  # the training service's client; None: the trainer runs inline
     inference_key: str | None = None  # the servers' API key (set when they bind a node IP)
+    agent: AgentClient | None = None  # the agent service's client; None: the proxy is inline
+
+
+def agent_in_service(cfg: ExperimentConfig) -> bool:
+    if cfg.workflow.type != "agent":
+        return False
+    if cfg.scheduler.agent == "auto":
+        return cfg.scheduler.type != "local"
+    return cfg.scheduler.agent == "service"
+
+
+def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
+               admin_key: str, inference_key: str | None, local: bool) -> WorkerSpec:
+    """The agent service (services/agent.py): the run's proxy in front of `servers`.
+
+    Under the local scheduler it binds `agent.host`; elsewhere its node's address. A set
+    `agent.port` is kept (clients of online training are told it), else one is picked."""
+    env = {"ASYNCRL_ADMIN_KEY": admin_key, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if inference_key is not None:
+        env["ASYNCRL_API_KEY"] = inference_key
+    return WorkerSpec(
+        role="agent", count=1,
+        command=[sys.executable, "-m", "asyncrl.services.agent", "--config", config_path,
+                 "--servers", ",".join(servers), "--host",
+                 cfg.agent.host if local else "{host}", "--port", "{port}"],
+        env=env, cpus=1, port=cfg.agent.port or None, cores=[[]] if local else None)
 
 
 def trainer_in_service(cfg: ExperimentConfig) -> bool:
@@ -94,11 +124,19 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     if inference_key is not None and cfg.rollout.backend == "local":
         servers.env["ASYNCRL_API_KEY"] = inference_key
     addresses = [w.address for w in scheduler.create_workers(servers)]
+    agent = None
+    if agent_in_service(cfg):
+        admin_key = cfg.agent.admin_key or secrets.token_hex(16)
+        [worker] = scheduler.create_workers(agent_spec(
+            cfg, str(paths.root / "config.yaml"), addresses, admin_key=admin_key,
+            inference_key=inference_key, local=local))
+        agent = AgentClient(worker.address, admin_key)
+        logger.info("agent service: %s", worker.address)
     if not service:
         if local:
             threads = scheduler.pin_trainer(trainer_cores)
             logger.info("trainer: inline, %d thread(s)", threads)
-        return Services(addresses, None, inference_key)
+        return Services(addresses, None, inference_key, agent)
     key = secrets.token_hex(16)
     spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)
     if local:
@@ -109,4 +147,4 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     logger.info("trainer: %d rank(s) at %s", world, ", ".join(w.address for w in ranks))
     return Services(addresses, TrainingClient([w.address for w in ranks], api_key=key,
                                               timeout=cfg.scheduler.trainer_timeout),
-                    inference_key)
+                    inference_key, agent)

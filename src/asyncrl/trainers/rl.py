@@ -21,6 +21,7 @@ from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler.base import Scheduler, SchedulerError, log_tail, make_scheduler
+from asyncrl.services.agent import AgentClient
 from asyncrl.services.training import TrainingServiceError
 from asyncrl.trainers import recover
 from asyncrl.trainers.agents import AgentRuntime
@@ -32,6 +33,7 @@ from asyncrl.weights import make_publisher, transfer_backend
 from asyncrl.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
+ROLES = ("inference", "trainer", "agent")  # the processes an RL run's scheduler starts
 
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -43,10 +45,11 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
                         slurm_cfg=cfg.slurm) as scheduler:
         services = launch(cfg, paths, scheduler)
         trainer = RLTrainer(cfg, paths, services.inference, services.trainer,
-                            scheduler=scheduler, inference_key=services.inference_key)
+                            scheduler=scheduler, inference_key=services.inference_key,
+                            agent_service=services.agent)
         trainer.summary["services"] = [
             {"role": w.role, "index": w.index, "address": w.address, "node_id": w.node_id}
-            for role in ("inference", "trainer") for w in scheduler.get_workers(role)]
+            for role in ROLES for w in scheduler.get_workers(role)]
         try:
             return trainer.train()
         except (RolloutError, TrainingServiceError):
@@ -57,7 +60,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def _raise_if_dead(scheduler: Scheduler) -> None:
-    for role in ("inference", "trainer"):
+    for role in ROLES:
         workers = scheduler.get_workers(role)
         for worker, ok in zip(workers, scheduler.check_health(role) if workers else []):
             if not ok:
@@ -68,7 +71,8 @@ def _raise_if_dead(scheduler: Scheduler) -> None:
 class RLTrainer:
     def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str],
                  trainer: Trainer | None = None, scheduler: Scheduler | None = None,
-                 inference_key: str | None = None) -> None:
+                 inference_key: str | None = None,
+                 agent_service: AgentClient | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
@@ -84,7 +88,8 @@ class RLTrainer:
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
             self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,
-                                       version=lambda: self.rollout.version)
+                                       version=lambda: self.rollout.version,
+                                       service=agent_service)
             self.workflow = self.agents.workflow
         else:
             self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
@@ -144,12 +149,12 @@ class RLTrainer:
         step = self._restore()
         self.rollout.start(paused=True)
         if self.agents is not None:
-            a = self.cfg.agent
-            url = self.rollout.run_coroutine(self.agents.proxy.start(a.host, a.port))
+            url = self.rollout.run_coroutine(self.agents.start())
             self.summary["agent_base_url"] = url
-            logger.info("agent proxy: %s (%s mode)", url, a.mode)
+            logger.info("agent proxy: %s (%s mode)", url, self.cfg.agent.mode)
         if step > 0:  # the servers start from the base model: give them the resumed weights
             self.publisher.publish(self.trainer, version=step)
+            self._announce_version(step)
         elif self.cfg.evaluator.before_training and self.valid_items:
             self._evaluate(step, "eval_before")
         self.rollout.resume()
@@ -162,12 +167,13 @@ class RLTrainer:
                 stats |= self._train_step(batch)
             with timer("publish_s"):
                 stats |= self.publisher.publish(self.trainer, version=step + 1)
-            self.rollout.set_version(step + 1)
+            self._announce_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
             stats["inference/server_restarts"] = float(self._restart_dead_servers())
             self._record_batch(step, batch)
             if self.agents is not None:
+                self.rollout.run_coroutine(self.agents.refresh_stats())
                 stats |= self.agents.stats()
             self.stats.log(step, stats)
             bar.update(stats)
@@ -206,7 +212,15 @@ class RLTrainer:
             self._failed_checks[idx] = 0
             self.server_restarts += 1
             self.rollout.run_coroutine(self.engine.check_servers())
+            if self.agents is not None:  # the agent service routes to the new address too
+                self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
         return self.server_restarts
+
+    def _announce_version(self, version: int) -> None:
+        """The servers hold `version` now: the agent service and the rollout learn it."""
+        if self.agents is not None:
+            self.rollout.run_coroutine(self.agents.set_version(version))
+        self.rollout.set_version(version)
 
     def _periodic(self, step: int) -> None:
         now = time.monotonic()
@@ -249,7 +263,7 @@ class RLTrainer:
 
     def close(self) -> None:
         if self.agents is not None and self.rollout.running:
-            self.rollout.run_coroutine(self.agents.proxy.stop(), timeout=30)
+            self.rollout.run_coroutine(self.agents.stop(), timeout=30)
         self.rollout.stop()
         self.workflow.close()
         self.stats.close()

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl.agents.capture import ExportStyle, export
 from asyncrl.agents.runner import AgentError, AgentFn
@@ -23,7 +23,6 @@ from asyncrl.agents.session import Session, SessionStatus
 from asyncrl.api.protocols import InferenceEngine
 from asyncrl.api.types import Trajectory
 from asyncrl.workflows.rlvr import gather_or_cancel
-
 
 logger = logging.getLogger(__name__)
 # Sessions the proxy ends on its own: their episode is dropped (counted by the proxy).
@@ -45,19 +44,41 @@ class AgentSpec:
     sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # forced per request
 
 
-class AgentWorkflow:
-    """`run(engine, item)`: the item's n sessions, concurrently, through `proxy`."""
+class SessionHost(Protocol):
+    """Where an episode's sessions live: the agent proxy in this process, or the agent
+    service's client (services/agent_proxy.py `LocalSessions`, services/agent.py
+    `AgentClient`)."""
 
-    def __init__(self, proxy: Any, agent: AgentFn, spec: AgentSpec) -> None:
-        self.proxy, self.agent, self.spec = proxy, agent, spec
+    base_url: str  # what the agent is given (OpenAI-compatible, ends in /v1)
+
+    async def open(self, *, task_id: str, sampling: dict[str, Any]) -> tuple[str, str]:
+        """A new session already counted by the caller: (session id, its API key)."""
+        ...
+
+    async def close(self, session_id: str, *, reward: float | None = None,
+                    failure: str | None = None) -> tuple[str, Session]:
+        """End it (the proxy's `close_session`): (outcome, the ended session, completions
+        included)."""
+        ...
+
+    def abandon(self, session_id: str, reason: str) -> None:
+        """End it as failed without waiting (the episode was cancelled)."""
+        ...
+
+
+class AgentWorkflow:
+    """`run(engine, item)`: the item's n sessions, concurrently, through `sessions`."""
+
+    def __init__(self, sessions: SessionHost, agent: AgentFn, spec: AgentSpec) -> None:
+        self.sessions, self.agent, self.spec = sessions, agent, spec
         self.counts = {"merged": 0, "drift": 0, "completions": 0}
 
     def for_eval(self, max_new_tokens: int | None = None) -> AgentWorkflow:
-        """One greedy session per item, sharing the proxy and the agent."""
+        """One greedy session per item, sharing the sessions and the agent."""
         sampling = {**self.spec.sampling, "temperature": 0.0}
         if max_new_tokens:
             sampling["max_new_tokens"] = max_new_tokens
-        return AgentWorkflow(self.proxy, self.agent,
+        return AgentWorkflow(self.sessions, self.agent,
                              dataclasses.replace(self.spec, n_samples=1, sampling=sampling))
 
     def close(self) -> None:
@@ -84,35 +105,35 @@ class AgentWorkflow:
     async def _sample(self, item: dict[str, Any], group_id: str, index: int) -> list[Trajectory]:
         from asyncrl.agents.sandbox import isolation_seen
 
-        session = self.proxy.start_session(task_id=str(item["id"]),
-                                           sampling=self.spec.sampling)
+        host = self.sessions
+        sid, key = await host.open(task_id=str(item["id"]), sampling=self.spec.sampling)
         sandboxed: set[str] = set()
         isolation_seen.set(sandboxed)  # this task's context: what the agent's code ran under
         t0 = time.perf_counter()
         try:
-            reward = await asyncio.wait_for(
-                self.agent(self.proxy.base_url, session.api_key, item), self.spec.timeout)
+            reward = await asyncio.wait_for(self.agent(host.base_url, key, item),
+                                            self.spec.timeout)
         except asyncio.TimeoutError:
-            self.proxy.end_session(session, SessionStatus.FAILED, "agent timed out")
+            await host.close(sid, failure="agent timed out")
             raise AgentError(f"agent did not finish within {self.spec.timeout:g} s "
-                             f"(agent.timeout); session {session.id}") from None
-        except BaseException as e:
-            if session.status in _DROPPED:  # the proxy ended it; the agent saw a 409
-                raise SessionDropped(f"session {session.id} {session.status.value}: "
-                                     f"{session.reason}") from e
-            self.proxy.end_session(session, SessionStatus.FAILED, f"{type(e).__name__}: {e}")
+                             f"(agent.timeout); session {sid}") from None
+        except asyncio.CancelledError:
+            host.abandon(sid, "the episode was cancelled")
             raise
-        if not session.active:  # ended from outside (version lag, timeout): not trainable
-            raise SessionDropped(f"session {session.id} {session.status.value}: {session.reason}")
-        if reward is not None:
-            if not session.completions:
-                self.proxy.end_session(session, SessionStatus.FAILED, "no model call")
-                raise AgentError(f"agent returned reward {reward} but made no model call "
-                                 f"through the proxy (session {session.id})")
-            session.set_reward(float(reward))
-        self.proxy.end_session(session)
+        except Exception as e:
+            _, session = await host.close(sid, failure=f"{type(e).__name__}: {e}")
+            if session.status in _DROPPED:  # the proxy ended it; the agent saw a 409
+                raise SessionDropped(f"session {sid} {session.status.value}: "
+                                     f"{session.reason}") from e
+            raise
+        outcome, session = await host.close(sid, reward=None if reward is None else float(reward))
+        if outcome == "no_completion":
+            raise AgentError(f"agent returned reward {reward} but made no model call "
+                             f"through the proxy (session {sid})")
+        if session.status is not SessionStatus.ENDED:  # ended from outside: not trainable
+            raise SessionDropped(f"session {sid} {session.status.value}: {session.reason}")
         if not session.has_reward:
-            raise AgentError(f"agent ended session {session.id} without a reward: return one, "
+            raise AgentError(f"agent ended session {sid} without a reward: return one, "
                              "or POST /rl/set_reward before returning")
         return self.trajectories(session, group_id, item, index,
                                  episode_s=time.perf_counter() - t0,
