@@ -113,13 +113,16 @@ def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model, whe
                        "node_id": agent[0]["node_id"]}])
 
 
-def test_agent_service_process_runs_inline_agents(tmp_path, tiny_model):
+@pytest.mark.parametrize("router", ["inline", "service"])
+def test_agent_service_process_runs_inline_agents(tmp_path, tiny_model, router):
     """scheduler.agent=service: the proxy is its own process; the controller opens and
-    closes the sessions of its inline agent over HTTP and trains on what comes back."""
+    closes the sessions of its inline agent over HTTP and trains on what comes back. With
+    a router service, the controller and the agent service both generate through it."""
     export = tmp_path / "sessions"
     cfg = tiny_run_config(tmp_path, tiny_model, "workflow.type=agent",
                           "agent.fn=toy_agents:two_turns", f"agent.export_dir={export}",
-                          "scheduler.agent=service", name="agent-service")
+                          "scheduler.agent=service", f"scheduler.router={router}",
+                          name=f"agent-service-{router}")
     summary = train(cfg)
     rows = _train_rows(summary)
     assert [r["step"] for r in rows] == [1, 2]

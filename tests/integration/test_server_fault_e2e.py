@@ -34,11 +34,15 @@ def _kill_server_after_first_step(run: Path, stop: threading.Event) -> None:
         time.sleep(0.05)
 
 
-def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path):
+@pytest.mark.parametrize("router", ["inline", "service"])
+def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path, router):
+    """With the controller's client routing, or the router service (which then drops,
+    re-syncs and re-admits the server)."""
     model = make_tiny_model(tmp_path / "model", arch="llama")
     cfg = tiny_run_config(tmp_path, model, "allocation_mode=local:d2+fsdp:d1",
                           "total_train_steps=6", "scheduler.inference_threads=2",
-                          "rollout.health_check_interval=0.5", name="fault")
+                          "rollout.health_check_interval=0.5", f"scheduler.router={router}",
+                          name="fault")
     run = Path(tmp_path / "runs" / "fault" / cfg.trial_name)
     stop = threading.Event()
     killer = threading.Thread(target=_kill_server_after_first_step, args=(run, stop))
@@ -54,6 +58,8 @@ def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path):
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     log = (run / "logs" / "trainer.log").read_text()
     assert "inference server 1 failed two health checks; restarting it" in log
+    if router == "service":
+        log = (run / "logs" / "router-0.log").read_text()
     assert "is back in routing at version" in log  # re-synced to the current weights
     batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
     trained = [tid for b in batches for tid in b["task_ids"]]

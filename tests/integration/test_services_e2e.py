@@ -83,3 +83,59 @@ def test_two_trainer_ranks_broadcast_their_weights(tmp_path, tiny_model):
     assert "perf/weights_connect_s" in rows[0]  # the group formed once, at the first publish
     assert "perf/weights_connect_s" not in rows[1]
     assert not (run / "weights").exists() or not any((run / "weights").iterdir())
+
+
+@pytest.mark.parametrize("mode", ["disk", "broadcast"])
+def test_a_router_service_routes_generation_and_weight_updates(tmp_path, tiny_model, mode):
+    """scheduler.router=service: the controller reaches two servers only through the router
+    process, which carries generation, pauses and both kinds of weight update."""
+    cfg = tiny_run_config(tmp_path, tiny_model, "allocation_mode=local:d2+fsdp:d1",
+                          "scheduler.inference_threads=2", "scheduler.router=service",
+                          f"actor.weight_update_mode={mode}", name=f"router-{mode}")
+    summary = train(cfg)
+    run = Path(summary["run_dir"])
+    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/grad_norm"] > 0 and r["rollout/staleness_max"] <= 1 for r in rows)
+    roles = [(s["role"], s["index"]) for s in summary["services"]]
+    assert roles == [("inference", 0), ("inference", 1), ("router", 0)]
+    # Every update went through the router to both servers.
+    log = (run / "logs" / "router-0.log").read_text()
+    assert "asyncrl router listening on http://127.0.0.1:" in log
+    how = "from " if mode == "disk" else "by broadcast"
+    for v in (1, 2):
+        assert f"weights version {v} {how}" in log and \
+            log.split(f"weights version {v} ")[1].split("\n")[0].count("on 2 server(s)") == 1
+
+
+@pytest.mark.parametrize("mode", ["disk", "broadcast"])
+def test_all_services_as_processes(tmp_path, tiny_model, mode):
+    """Every role its own process: two servers behind the router, two trainer ranks, and the
+    weight-update service carrying each version between them; the controller only talks."""
+    cfg = tiny_run_config(tmp_path, tiny_model, "allocation_mode=local:d2+fsdp:d2",
+                          "scheduler.inference_threads=2", "scheduler.trainer_threads=2",
+                          "scheduler.router=service", "scheduler.weight_update=service",
+                          f"actor.weight_update_mode={mode}", "total_train_steps=3",
+                          name=f"services-{mode}")
+    summary = train(cfg)
+    run = Path(summary["run_dir"])
+    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0 and r["rollout/staleness_max"] <= 1 for r in rows)
+    assert sorted({s["role"] for s in summary["services"]}) == [
+        "inference", "router", "trainer", "weight_update"]
+    log = (run / "logs" / "weight_update-0.log").read_text()
+    router = (run / "logs" / "router-0.log").read_text()
+    for v in (1, 2, 3):
+        assert f"version {v} published" in log
+        assert f"weights version {v} " in router
+    key = "perf/weights_broadcast_s" if mode == "broadcast" else "perf/weights_save_s"
+    assert all(r[key] > 0 for r in rows)  # the service's timings reach the controller's stats
+    if mode == "disk":
+        assert (run / "weights" / "v3" / "model.safetensors").is_file()
+
+
+def test_weight_update_service_needs_trainer_ranks_as_a_service(tmp_path, tiny_model):
+    cfg = tiny_run_config(tmp_path, tiny_model, "scheduler.weight_update=service", name="wu")
+    with pytest.raises(ValueError, match="scheduler.weight_update=service needs the trainer"):
+        train(cfg)

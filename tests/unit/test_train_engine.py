@@ -336,3 +336,12 @@ def test_minibatches_are_consecutive_rows_so_groups_stay_together():
     batch = make_batch(lengths=(4, 5, 6, 7, 8, 9, 10, 11))
     parts = split_minibatches(batch, 2)  # groups of 4: rows 0-3 and 4-7
     assert [p.seq_lens.tolist() for p in parts] == [[4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_a_rank_shown_one_gpu_uses_it_and_one_shown_all_takes_its_local_rank():
+    from asyncrl.training.dist import gpu_index
+
+    assert [gpu_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # CUDA_VISIBLE_DEVICES=<its id>
+    assert [gpu_index(r, 8) for r in range(8)] == list(range(8))  # torchrun, all GPUs shown
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but only 2 GPU"):
+        gpu_index(3, 2)

@@ -65,6 +65,15 @@ class SchedulerConfig:
     # loop, `service` as its own process (services/agent.py) started by the scheduler;
     # `auto`: inline under the local scheduler, else service.
     agent: Literal["auto", "inline", "service"] = "auto"
+    # Where requests are routed to the inference servers: `inline` by the controller's own
+    # client (and the agent service's), `service` by a router process (services/router.py)
+    # that both go through; `auto`: inline under the local scheduler, else service.
+    router: Literal["auto", "inline", "service"] = "auto"
+    # Who carries each weight version from the trainer ranks to the servers: `inline` the
+    # controller, `service` a weight-update process (services/weight_update.py; needs the
+    # trainer ranks as a service); `auto`: service off the local scheduler when the trainer
+    # ranks are a service, else inline.
+    weight_update: Literal["auto", "inline", "service"] = "auto"
     # CPU cores given to the inference server(s) and to the trainer. On a CPU machine both run
     # at once; None splits the machine's cores evenly. Servers are pinned to their cores.
     # Under ray and slurm: the cores of each server and of each trainer rank (default 1).

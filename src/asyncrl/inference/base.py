@@ -245,6 +245,11 @@ class HTTPInferenceEngine:
         """Addresses currently in routing."""
         return [a for i, a in enumerate(self.addresses) if i not in self._down]
 
+    @property
+    def down_servers(self) -> dict[str, str]:
+        """Addresses out of routing, and why."""
+        return {self.addresses[i]: why for i, why in sorted(self._down.items())}
+
     async def get_version(self) -> int:
         """The lowest weight version across live servers (all equal outside an update)."""
         return min(await self._on_live(self._read_version))

@@ -2,9 +2,10 @@
 
     python -m asyncrl.services.agent --config RUN/config.yaml --servers URL[,URL...] \
         --host 127.0.0.1 --port 0          # ASYNCRL_ADMIN_KEY (and ASYNCRL_API_KEY) set
+    python -m asyncrl.services.agent --config RUN/config.yaml --router URL ...
 
-The proxy (`agent_proxy.AgentProxy`) generates through its own client of the run's
-inference servers and records every session token for token. The controller drives it
+The proxy (`agent_proxy.AgentProxy`) generates through the run's router (or its own client
+of the inference servers) and records every session token for token. The controller drives it
 over HTTP with the admin key, through `AgentClient`:
 
     POST /rl/start_session {task_id, sampling, admitted: true, start_version}
@@ -176,32 +177,34 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-async def serve(cfg: ExperimentConfig, servers: list[str], *, host: str, port: int,
-                admin_key: str) -> None:
-    """Serve the run's proxy until SIGTERM/SIGINT; active sessions end as cancelled."""
-    from asyncrl.services.drift import check_template_drift
-    from asyncrl.inference.backends import client_class
+async def serve(cfg: ExperimentConfig, args: argparse.Namespace, admin_key: str) -> None:
+    """Serve the run's proxy until SIGTERM/SIGINT; active sessions end as cancelled.
+
+    It generates through the run's router when there is one, else its own client of the
+    servers."""
     from asyncrl.services.agent_proxy import serve_until_signalled
+    from asyncrl.services.drift import check_template_drift
     from asyncrl.services.gateway import load_tokenizer
+    from asyncrl.services.router import inference_engine
 
     r = cfg.rollout
-    engine = client_class(r.backend)(
-        servers, request_timeout=r.request_timeout, request_retries=r.request_retries,
-        api_key=os.environ.get("ASYNCRL_API_KEY") or None)
+    engine = inference_engine(args, r.backend, request_timeout=r.request_timeout,
+                              request_retries=r.request_retries)
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     proxy = build_proxy(cfg, tokenizer, engine, version=lambda: 0, admin_key=admin_key)
     AgentService(proxy, engine)  # adds its routes and admission to the proxy
     logger.info("%s", check_template_drift(tokenizer, proxy.routes.native_tools).describe())
-    await serve_until_signalled(proxy, engine, host, port, "asyncrl agent service")
+    await serve_until_signalled(proxy, engine, args.host, args.port, "asyncrl agent service")
 
 
 def main(argv: list[str] | None = None) -> None:
     from asyncrl.config import load_config
+    from asyncrl.services.router import add_inference_args
 
     p = argparse.ArgumentParser(prog="python -m asyncrl.services.agent",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's resolved config.yaml")
-    p.add_argument("--servers", required=True, help="the inference servers, comma-separated")
+    add_inference_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)
@@ -211,8 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config, [])
-    asyncio.run(serve(cfg, [s for s in args.servers.split(",") if s], host=args.host,
-                      port=args.port, admin_key=admin_key))
+    asyncio.run(serve(cfg, args, admin_key))
 
 
 # -- the client ---------------------------------------------------------------------------

@@ -627,8 +627,8 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
 
     Each finished session is written to `export_dir` (sessions.jsonl, trajectories.jsonl).
     """
-    from asyncrl.services.drift import check_template_drift
     from asyncrl.agents.export import SessionWriter
+    from asyncrl.services.drift import check_template_drift
     from asyncrl.services.gateway import backend_model, load_tokenizer, make_engine
 
     engine = make_engine(backend, url, os.environ.get("ASYNCRL_API_KEY") or None)

@@ -10,6 +10,24 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 
+def bearer_auth(api_key: str | None, open_paths: tuple[str, ...] = ("/health",)):
+    """aiohttp middleware: every path but `open_paths` needs `Authorization: Bearer <api_key>`
+    (none needed when `api_key` is None); 401 otherwise."""
+    import hmac
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if api_key and request.path not in open_paths:
+            got = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(got.encode(), api_key.encode()):
+                return web.json_response({"error": {
+                    "type": "Unauthorized",
+                    "message": "missing or wrong API key (Authorization: Bearer <key>)"}},
+                    status=401)
+        return await handler(request)
+    return auth
+
+
 async def serve_app(app: web.Application, *, host: str, port: int, banner: str,
                     before_cleanup: Callable[[], Awaitable[None]] | None = None,
                     stop: asyncio.Event | None = None) -> None:

@@ -16,13 +16,13 @@ import asyncio
 import logging
 from typing import Any
 
-from asyncrl.services.drift import check_template_drift
 from asyncrl.agents.online import OnlineAdmission, TaskBaseline
 from asyncrl.agents.runner import SubprocessAgent, resolve_agent
 from asyncrl.agents.session import Session
 from asyncrl.config import ExperimentConfig
 from asyncrl.services.agent import AgentClient, AgentServiceError, build_proxy
 from asyncrl.services.agent_proxy import LocalSessions
+from asyncrl.services.drift import check_template_drift
 from asyncrl.workflows.agent import AgentSpec, AgentWorkflow
 
 logger = logging.getLogger(__name__)

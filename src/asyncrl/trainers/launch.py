@@ -6,9 +6,14 @@ and takes an API key made for the run):
 - `trainer`: `fsdp:d<M>` training-service ranks (`services/training.py`), unless the one
   rank runs inline in the controller (`scheduler.trainer`: auto is inline for one rank
   under the local scheduler);
+- `router`: the servers behind one address (`services/router.py`), unless the controller's
+  client routes itself (`scheduler.router`: auto is inline under the local scheduler);
 - `agent` (workflow.type=agent): the agent proxy as its own process (`services/agent.py`),
   unless it runs on the controller's rollout loop (`scheduler.agent`: auto is inline
-  under the local scheduler).
+  under the local scheduler);
+- `weight_update`: the process that carries each version from the trainer ranks to the
+  servers (`services/weight_update.py`), unless the controller does (`scheduler.weight_update`:
+  auto is a service off the local scheduler when the trainer ranks are one).
 On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after).
 On a CPU machine the local scheduler splits the cores between the servers and the trainer
 (`scheduler.inference_threads` / `trainer_threads`, totals); under Ray and Slurm those two
@@ -31,6 +36,7 @@ from asyncrl.scheduler.commands import inference_spec
 from asyncrl.scheduler.local import LocalScheduler, split_cores
 from asyncrl.services.agent import AgentClient
 from asyncrl.services.training import TrainingClient
+from asyncrl.services.weight_update import WeightUpdateClient
 from asyncrl.trainers.paths import RunPaths
 
 logger = logging.getLogger(__name__)
@@ -42,19 +48,60 @@ class Services:
     trainer: Trainer | None  # the training service's client; None: the trainer runs inline
     inference_key: str | None = None  # the servers' API key (set when they bind a node IP)
     agent: AgentClient | None = None  # the agent service's client; None: the proxy is inline
+    router: str | None = None  # the router's address; None: clients route to `inference`
+    weight_update: WeightUpdateClient | None = None  # None: the controller publishes
 
 
-def agent_in_service(cfg: ExperimentConfig) -> bool:
-    if cfg.workflow.type != "agent":
-        return False
-    if cfg.scheduler.agent == "auto":
-        return cfg.scheduler.type != "local"
-    return cfg.scheduler.agent == "service"
+def in_service(cfg: ExperimentConfig, choice: str) -> bool:
+    """`auto` means a service off the local scheduler, inline on it."""
+    return cfg.scheduler.type != "local" if choice == "auto" else choice == "service"
+
+
+def weight_update_in_service(cfg: ExperimentConfig) -> bool:
+    if cfg.scheduler.weight_update == "auto":
+        return cfg.scheduler.type != "local" and trainer_in_service(cfg)
+    if cfg.scheduler.weight_update == "service" and not trainer_in_service(cfg):
+        raise ValueError("scheduler.weight_update=service needs the trainer ranks as a service "
+                         "(scheduler.trainer=service, or several fsdp ranks); set "
+                         "scheduler.weight_update=inline or auto")
+    return cfg.scheduler.weight_update == "service"
+
+
+def weight_update_spec(config_path: str, ranks: list[str], servers: list[str],
+                       router: str | None, *, keys: dict[str, str | None],
+                       local: bool) -> WorkerSpec:
+    """The weight-update service (services/weight_update.py) between `ranks` and the servers."""
+    env = {name: key for name, key in keys.items() if key}
+    return WorkerSpec(
+        role="weight_update", count=1,
+        command=[sys.executable, "-m", "asyncrl.services.weight_update", "--config",
+                 config_path, "--trainer", ",".join(ranks),
+                 *(["--router", router] if router else ["--servers", ",".join(servers)]),
+                 "--host", "{host}", "--port", "{port}"],
+        env={**env, "PYTHONUNBUFFERED": "1"}, cpus=1, cores=[[]] if local else None)
+
+
+def router_spec(cfg: ExperimentConfig, servers: list[str], *, inference_key: str | None,
+                local: bool) -> WorkerSpec:
+    """The router (services/router.py) in front of `servers`, guarded by the servers' key."""
+    r = cfg.rollout
+    command = [sys.executable, "-m", "asyncrl.services.router", "--backend", r.backend,
+               "--servers", ",".join(servers), "--host", "{host}", "--port", "{port}",
+               "--request-timeout", str(r.request_timeout),
+               "--request-retries", str(r.request_retries),
+               "--update-weights-timeout", str(r.update_weights_timeout)]
+    if r.health_check_interval:
+        command += ["--health-check-interval", str(r.health_check_interval)]
+    return WorkerSpec(role="router", count=1, command=command,
+                      env={"ASYNCRL_API_KEY": inference_key} if inference_key else {},
+                      cpus=1, cores=[[]] if local else None)
 
 
 def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
-               admin_key: str, inference_key: str | None, local: bool) -> WorkerSpec:
-    """The agent service (services/agent.py): the run's proxy in front of `servers`.
+               admin_key: str, inference_key: str | None, local: bool,
+               router: str | None = None) -> WorkerSpec:
+    """The agent service (services/agent.py): the run's proxy in front of `servers` (or of
+    the run's router, when there is one).
 
     Under the local scheduler it binds `agent.host`; elsewhere its node's address. A set
     `agent.port` is kept (clients of online training are told it), else one is picked."""
@@ -64,8 +111,8 @@ def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
     return WorkerSpec(
         role="agent", count=1,
         command=[sys.executable, "-m", "asyncrl.services.agent", "--config", config_path,
-                 "--servers", ",".join(servers), "--host",
-                 cfg.agent.host if local else "{host}", "--port", "{port}"],
+                 *(["--router", router] if router else ["--servers", ",".join(servers)]),
+                 "--host", cfg.agent.host if local else "{host}", "--port", "{port}"],
         env=env, cpus=1, port=cfg.agent.port or None, cores=[[]] if local else None)
 
 
@@ -97,6 +144,7 @@ def rank_cores(cores: list[int], world_size: int) -> list[list[int]]:
 def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Services:
     """Start the servers and (service mode) the trainer ranks; return once all are healthy."""
     world, n_servers = cfg.trainer_world_size, cfg.rollout.n_servers
+    weights_service = weight_update_in_service(cfg)  # checked before anything starts
     device = "cuda" if cfg.cluster.n_gpus_per_node else "cpu"
     local = isinstance(scheduler, LocalScheduler)
     service = trainer_in_service(cfg)
@@ -124,27 +172,43 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     if inference_key is not None and cfg.rollout.backend == "local":
         servers.env["ASYNCRL_API_KEY"] = inference_key
     addresses = [w.address for w in scheduler.create_workers(servers)]
+    router = None
+    if in_service(cfg, cfg.scheduler.router):
+        [worker] = scheduler.create_workers(router_spec(
+            cfg, addresses, inference_key=inference_key, local=local))
+        router = worker.address
+        logger.info("router: %s", router)
     agent = None
-    if agent_in_service(cfg):
+    if cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent):
         admin_key = cfg.agent.admin_key or secrets.token_hex(16)
         [worker] = scheduler.create_workers(agent_spec(
             cfg, str(paths.root / "config.yaml"), addresses, admin_key=admin_key,
-            inference_key=inference_key, local=local))
+            inference_key=inference_key, local=local, router=router))
         agent = AgentClient(worker.address, admin_key)
         logger.info("agent service: %s", worker.address)
     if not service:
         if local:
             threads = scheduler.pin_trainer(trainer_cores)
             logger.info("trainer: inline, %d thread(s)", threads)
-        return Services(addresses, None, inference_key, agent)
+        return Services(addresses, None, inference_key, agent, router)
     key = secrets.token_hex(16)
     spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)
     if local:
         spec.cores = (rank_cores(trainer_cores, world) if device == "cpu"
                       else [[] for _ in range(world)])
         spec.gpu_ids = [[r] for r in range(world)] if device == "cuda" else None
-    ranks = scheduler.create_workers(spec)
-    logger.info("trainer: %d rank(s) at %s", world, ", ".join(w.address for w in ranks))
-    return Services(addresses, TrainingClient([w.address for w in ranks], api_key=key,
+    ranks = [w.address for w in scheduler.create_workers(spec)]
+    logger.info("trainer: %d rank(s) at %s", world, ", ".join(ranks))
+    weights = None
+    if weights_service:
+        weights_key = secrets.token_hex(16)
+        [worker] = scheduler.create_workers(weight_update_spec(
+            str(paths.root / "config.yaml"), ranks, addresses, router, local=local,
+            keys={"ASYNCRL_API_KEY": weights_key, "ASYNCRL_TRAINER_KEY": key,
+                  "ASYNCRL_INFERENCE_KEY": inference_key}))
+        weights = WeightUpdateClient(worker.address, api_key=weights_key,
+                                     timeout=cfg.scheduler.trainer_timeout)
+        logger.info("weight update: %s", worker.address)
+    return Services(addresses, TrainingClient(ranks, api_key=key,
                                               timeout=cfg.scheduler.trainer_timeout),
-                    inference_key, agent)
+                    inference_key, agent, router, weights)

@@ -22,7 +22,9 @@ from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_cur
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler.base import Scheduler, SchedulerError, log_tail, make_scheduler
 from asyncrl.services.agent import AgentClient
+from asyncrl.services.router import RouterClient, fetch_state
 from asyncrl.services.training import TrainingServiceError
+from asyncrl.services.weight_update import WeightUpdateClient
 from asyncrl.trainers import recover
 from asyncrl.trainers.agents import AgentRuntime
 from asyncrl.trainers.launch import launch
@@ -33,7 +35,7 @@ from asyncrl.weights import make_publisher, transfer_backend
 from asyncrl.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
-ROLES = ("inference", "trainer", "agent")  # the processes an RL run's scheduler starts
+ROLES = ("inference", "router", "trainer", "weight_update", "agent")  # the processes an RL run's scheduler starts
 
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -46,7 +48,8 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         services = launch(cfg, paths, scheduler)
         trainer = RLTrainer(cfg, paths, services.inference, services.trainer,
                             scheduler=scheduler, inference_key=services.inference_key,
-                            agent_service=services.agent)
+                            agent_service=services.agent, router=services.router,
+                            weight_update=services.weight_update)
         trainer.summary["services"] = [
             {"role": w.role, "index": w.index, "address": w.address, "node_id": w.node_id}
             for role in ROLES for w in scheduler.get_workers(role)]
@@ -72,7 +75,8 @@ class RLTrainer:
     def __init__(self, cfg: ExperimentConfig, paths: RunPaths, addresses: list[str],
                  trainer: Trainer | None = None, scheduler: Scheduler | None = None,
                  inference_key: str | None = None,
-                 agent_service: AgentClient | None = None) -> None:
+                 agent_service: AgentClient | None = None, router: str | None = None,
+                 weight_update: WeightUpdateClient | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
@@ -80,11 +84,18 @@ class RLTrainer:
         self.server_restarts = 0
         self._failed_checks: dict[int, int] = {}  # server -> health checks failed in a row
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
-        self.engine = client_class(cfg.rollout.backend)(
-            addresses, request_timeout=cfg.rollout.request_timeout,
-            request_retries=cfg.rollout.request_retries,
-            update_weights_timeout=cfg.rollout.update_weights_timeout,
-            health_check_interval=cfg.rollout.health_check_interval, api_key=inference_key)
+        self.routed = router is not None  # a router service routes for every client
+        if router is not None:
+            self.engine: Any = RouterClient(
+                router, api_key=inference_key, request_timeout=cfg.rollout.request_timeout,
+                update_weights_timeout=cfg.rollout.update_weights_timeout,
+                state=fetch_state(router, inference_key))
+        else:
+            self.engine = client_class(cfg.rollout.backend)(
+                addresses, request_timeout=cfg.rollout.request_timeout,
+                request_retries=cfg.rollout.request_retries,
+                update_weights_timeout=cfg.rollout.update_weights_timeout,
+                health_check_interval=cfg.rollout.health_check_interval, api_key=inference_key)
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
             self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,
@@ -117,22 +128,30 @@ class RLTrainer:
         # The trainer ranks: this process (inline) or the training service's processes.
         self.trainer = trainer if trainer is not None else RLWorker(cfg)
         self.trainer.initialize(self.total_steps)
-        sender, master = None, "127.0.0.1"
-        if cfg.actor.weight_update_mode == "broadcast":
-            sender, master = self.trainer.weight_sender(
-                transfer_backend(cfg.rollout.backend, cuda=cfg.cluster.n_gpus_per_node > 0),
-                cfg.local_engine.dtype)
-        self.publisher = make_publisher(
-            cfg.actor.weight_update_mode, self.engine, root=paths.weights,
-            dtype=cfg.local_engine.dtype, bucket_mb=cfg.actor.weight_update_bucket_mb,
-            timeout=cfg.rollout.update_weights_timeout, master_address=master, sender=sender,
-            run=self.rollout.run_coroutine)
+        if weight_update is not None:  # the weight-update service pairs ranks and servers
+            self.publisher: Any = weight_update
+        else:
+            self.publisher = self._make_publisher()
         self.stats = StatsLogger(paths.root, cfg.stats_logger,
                                  resume=recover.has_checkpoint(paths.recover))
         self.saver = Periodic(cfg.saver, steps_per_epoch)
         self.checkpointer = Periodic(cfg.recover, steps_per_epoch)
         self.evaluator = Periodic(cfg.evaluator, steps_per_epoch)
         self.summary: dict[str, Any] = {"run_dir": str(paths.root)}
+
+    def _make_publisher(self) -> Any:
+        """This process carries the versions: from its inline rank or the ranks' service."""
+        cfg = self.cfg
+        sender, master = None, "127.0.0.1"
+        if cfg.actor.weight_update_mode == "broadcast":
+            sender, master = self.trainer.weight_sender(
+                transfer_backend(cfg.rollout.backend, cuda=cfg.cluster.n_gpus_per_node > 0),
+                cfg.local_engine.dtype)
+        return make_publisher(
+            cfg.actor.weight_update_mode, self.engine, root=self.paths.weights,
+            dtype=cfg.local_engine.dtype, bucket_mb=cfg.actor.weight_update_bucket_mb,
+            timeout=cfg.rollout.update_weights_timeout, master_address=master, sender=sender,
+            run=self.rollout.run_coroutine)
 
     def _train_items(self) -> tuple[list[dict[str, Any]], ItemStream | None]:
         """The training items and their stream (none in online mode: clients bring them)."""
@@ -212,7 +231,7 @@ class RLTrainer:
             self._failed_checks[idx] = 0
             self.server_restarts += 1
             self.rollout.run_coroutine(self.engine.check_servers())
-            if self.agents is not None:  # the agent service routes to the new address too
+            if self.agents is not None and not self.routed:  # the agent service's own client
                 self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
         return self.server_restarts
 

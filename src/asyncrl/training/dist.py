@@ -40,9 +40,25 @@ def init_process_group() -> bool:
 
 
 def local_device() -> torch.device:
-    """This rank's accelerator (LOCAL_RANK on a multi-GPU node), else the CPU."""
+    """This rank's accelerator, else the CPU.
+
+    A scheduler that shows each rank only its own GPU (CUDA_VISIBLE_DEVICES=<one id>: our
+    local launcher, Ray, Slurm) leaves one visible device, cuda:0; under torchrun on a
+    node whose GPUs all show, the rank takes cuda:LOCAL_RANK."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", gpu_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                            torch.cuda.device_count()))
     torch.cuda.set_device(device)
     return device
+
+
+def gpu_index(local_rank: int, visible: int) -> int:
+    """The visible GPU of local rank `local_rank` when `visible` GPUs show: its own when each
+    rank sees all of them, else the one it was given."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {visible} GPU(s) are visible "
+                           "(CUDA_VISIBLE_DEVICES); give each rank one GPU or show it all")
+    return local_rank
