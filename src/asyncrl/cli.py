@@ -20,14 +20,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
-    """`asyncrl sft` / `dpo` / `rm`: the offline trainer named by the subcommand."""
-    import importlib
+    """`asyncrl sft` / `dpo` / `rm`: the offline trainer named by the subcommand.
 
+    With allocation_mode fsdp:d<N>, N > 1, outside torchrun: starts and waits for N ranks.
+    """
     from asyncrl.config import load_config
     from asyncrl.config.offline import TRAINER_SCHEMAS
+    from asyncrl.trainers import offline_launch
 
     cfg = load_config(args.config, args.overrides, schema=TRAINER_SCHEMAS[args.command])
-    summary = importlib.import_module(f"asyncrl.trainers.{args.command}").train(cfg)
+    summary = offline_launch.run(args.command, cfg)
     print_offline_summary(summary)
     return 0
 

@@ -42,10 +42,42 @@ def test_dpo_keeps_pairs_together_and_its_reference_follows_the_model():
      "train_dataset.format=gsm8k is not a reward-model format"),
     (RMConfig, "model.mb_spec.granularity=5", "granularity=5 would split .*reward-model "
                                               "training sets 2"),
+    (SFTConfig, "allocation_mode=vllm:d4+fsdp:d4",
+     "allocation_mode='vllm:d4\\+fsdp:d4' has an inference part .*no inference servers"),
+    (DPOConfig, "allocation_mode=fsdp:x2", "allocation_mode='fsdp:x2' is not 'fsdp:d<N>'"),
+    (SFTConfig, "allocation_mode=fsdp:d0", "allocation_mode='fsdp:d0' is not 'fsdp:d<N>'"),
+    (RMConfig, "scheduler.type=slurm", "scheduler.type=slurm: offline training starts its"),
+    (SFTConfig, "cluster.n_nodes=2", "cluster.n_nodes=2: .*set cluster.n_nodes=1"),
+    (DPOConfig, "allocation_mode=fsdp:d16",
+     "train_dataset.batch_size=8 is smaller than the 16 ranks of allocation_mode='fsdp:d16'"),
 ])
 def test_bad_values_name_the_key(schema, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [DATA, override], schema=schema)
+
+
+@pytest.mark.parametrize("schema", [SFTConfig, DPOConfig, RMConfig])
+@pytest.mark.parametrize("mode, world", [(None, 1), ("fsdp:d8", 8), ("d2", 2), ("fsdp:d1", 1)])
+def test_allocation_mode_is_the_training_part_alone(schema, mode, world):
+    overrides = [DATA, "cluster.n_gpus_per_node=8"] + ([f"allocation_mode={mode}"] if mode else [])
+    assert load_config(None, overrides, schema=schema).trainer_world_size == world
+
+
+def test_an_inference_part_is_refused_with_the_training_part_to_keep():
+    with pytest.raises(ConfigError, match="allocation_mode='vllm:d4\\+fsdp:d4' .*offline "
+                                          "training \\(sft, dpo, rm\\) starts no inference "
+                                          "servers; give the training part alone, e.g. "
+                                          "allocation_mode=fsdp:d4"):
+        load_config(None, [DATA, "allocation_mode=vllm:d4+fsdp:d4"], schema=SFTConfig)
+
+
+def test_allocation_mode_needs_a_gpu_per_rank_on_a_gpu_machine():
+    with pytest.raises(ConfigError, match="allocation_mode='fsdp:d8' needs 8 GPUs \\(one per "
+                                          "rank\\) but cluster.n_gpus_per_node=4"):
+        load_config(None, [DATA, "allocation_mode=fsdp:d8", "cluster.n_gpus_per_node=4"],
+                    schema=SFTConfig)
+    cpu = load_config(None, [DATA, "allocation_mode=fsdp:d8"], schema=SFTConfig)
+    assert cpu.trainer_world_size == 8  # CPU ranks share the machine's cores
 
 
 @pytest.mark.parametrize("schema", [SFTConfig, DPOConfig, RMConfig])

@@ -5,10 +5,14 @@ rows, kept in one micro-batch). Keys keep AReaL's names where AReaL has them (`m
 its TrainEngineConfig section, `total_train_epochs`, `train_dataset.batch_size`, ...) and
 TRL's for DPO (`beta`, `loss_type`, `label_smoothing`). Load one with
 `load_config(path, overrides, schema=SFTConfig)`.
+
+`allocation_mode` is AReaL's training part alone, `fsdp:d<N>`: N data-parallel ranks on
+this machine, which `asyncrl sft | dpo | rm` starts (trainers/offline_launch.py).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
@@ -26,6 +30,7 @@ from asyncrl.config.schema import (
 SFT_FORMATS = ("auto", "prompt_answer", "chat", "gsm8k")
 PREFERENCE_FORMATS = ("auto", "preference")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
+_RANKS = re.compile(r"^(?:fsdp:)?d(?P<n>\d+)$")  # allocation_mode's training part
 
 
 @dataclass(kw_only=True)
@@ -83,10 +88,28 @@ class OfflineEvaluatorConfig:
     after_training: bool = True
 
 
+def offline_world_size(mode: str) -> int:
+    """The trainer ranks of an offline `allocation_mode` ("fsdp:d<N>"); ValueError otherwise."""
+    parts = mode.replace(" ", "").split("+")
+    if len(parts) > 1:
+        raise ValueError(f"allocation_mode={mode!r} has an inference part ({parts[0]!r}), but "
+                         f"offline training (sft, dpo, rm) starts no inference servers; give the "
+                         f"training part alone, e.g. allocation_mode={parts[-1]}")
+    m = _RANKS.match(parts[0])
+    if m is None or int(m["n"]) < 1:
+        raise ValueError(f"allocation_mode={mode!r} is not 'fsdp:d<N>' (N >= 1 data-parallel "
+                         f"trainer ranks), e.g. allocation_mode=fsdp:d8")
+    return int(m["n"])
+
+
 @dataclass(kw_only=True)
 class OfflineSchedulerConfig:
-    type: Literal["local"] = "local"
-    trainer_threads: Optional[int] = None  # CPU threads of the trainer; null: torch's default
+    # Who starts allocation_mode's ranks: local processes on this machine. ray and slurm
+    # (the RL run's) are refused with what to do instead.
+    type: Literal["local", "ray", "slurm"] = "local"
+    # CPU threads of each trainer rank. null: torch's default for one rank; the machine's
+    # cores split evenly (and pinned) between the ranks `asyncrl` starts for allocation_mode.
+    trainer_threads: Optional[int] = None
 
 
 @dataclass(kw_only=True)
@@ -101,6 +124,11 @@ class OfflineConfig:
     tokenizer_path: str = "${model.path}"
     # A system turn put before prompts given as plain strings (not before chat rows).
     system_prompt: Optional[str] = None
+    # AReaL's "fsdp:d<N>" (the training part only: offline runs have no inference servers).
+    # N > 1: `asyncrl sft|dpo|rm` starts N data-parallel ranks (one GPU each when
+    # cluster.n_gpus_per_node > 0) and waits for them. null: one rank, or as many as
+    # torchrun starts.
+    allocation_mode: Optional[str] = None
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: OfflineSchedulerConfig = field(default_factory=OfflineSchedulerConfig)
     model: TrainEngineConfig = field(default_factory=TrainEngineConfig)
@@ -121,7 +149,34 @@ class OfflineConfig:
         self.train_dataset.check("train_dataset")
         if self.valid_dataset is not None:
             self.valid_dataset.check("valid_dataset")
+        self._check_allocation()
         self._check_formats()
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks: allocation_mode's fsdp:d<N>, else 1."""
+        return 1 if self.allocation_mode is None else offline_world_size(self.allocation_mode)
+
+    def _check_allocation(self) -> None:
+        """The ranks run on this machine, under the local scheduler, one GPU each on GPUs."""
+        _check(self.scheduler.type == "local",
+               f"scheduler.type={self.scheduler.type}: offline training starts its "
+               f"allocation_mode ranks as local processes on one machine; set "
+               f"scheduler.type=local (on several nodes, start the ranks with torchrun)")
+        _check(self.cluster.n_nodes == 1,
+               f"cluster.n_nodes={self.cluster.n_nodes}: offline training starts its "
+               f"allocation_mode ranks on this machine only; set cluster.n_nodes=1 (on several "
+               f"nodes, start the ranks with torchrun)")
+        world = self.trainer_world_size  # raises, naming allocation_mode, if malformed
+        gpus = self.cluster.n_gpus_per_node
+        _check(gpus == 0 or world <= gpus,
+               f"allocation_mode={self.allocation_mode!r} needs {world} GPUs (one per rank) but "
+               f"cluster.n_gpus_per_node={gpus}; lower fsdp:d<N> or raise n_gpus_per_node")
+        for name, ds in self._datasets():
+            _check(ds.batch_size >= world,
+                   f"{name}.batch_size={ds.batch_size} is smaller than the {world} ranks of "
+                   f"allocation_mode={self.allocation_mode!r}, and every rank needs an example "
+                   f"of each batch; raise {name}.batch_size or lower fsdp:d<N>")
 
     def _check_formats(self) -> None:
         """Hook for a trainer's accepted row formats."""

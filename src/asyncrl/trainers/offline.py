@@ -7,6 +7,10 @@ A trainer tokenises its examples, picks its loss (and its engine: the policy's
 `FSDPTrainEngine` by default, `FSDPRewardEngine` for reward models) and calls
 `OfflineTrainer.fit`.
 
+Several ranks (torchrun's, or allocation_mode's, which `asyncrl sft|dpo|rm` starts: see
+`offline_launch.py`) each read the whole batch; the engine plans its micro-batches across
+the ranks and sums their gradients, so a step is the one-rank step. Rank 0 writes the record.
+
 Evaluation runs the same loss function on the engine's no-grad outputs, the whole
 held-out set treated as one batch (normalisers over all of it), so `eval/loss` is the
 held-out value of exactly the training objective, and the loss's stats its held-out means.
@@ -25,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.api.protocols import LossFn
-from asyncrl.config import to_yaml
+from asyncrl.config import ConfigError, to_yaml
 from asyncrl.config.offline import OfflineConfig
 from asyncrl.config.schema import StatsLoggerConfig
 from asyncrl.data.offline import Example, collate
@@ -81,7 +85,9 @@ class OfflineTrainer:
         self.cfg = cfg
         # Engines come and go (DPO's reference, then the policy): the group outlives them.
         self._owns_group = init_process_group()
-        self.is_main = dist.get_rank() == 0  # under torchrun, only rank 0 writes the record
+        self._check_world_size()
+        # Under torchrun or allocation_mode's ranks, only rank 0 writes the record.
+        self.is_main = dist.get_rank() == 0
         self.paths = RunPaths.from_config(cfg)
         setup_logging(self.paths.root)
         if self.is_main:
@@ -92,6 +98,19 @@ class OfflineTrainer:
         if cfg.scheduler.trainer_threads:
             torch.set_num_threads(cfg.scheduler.trainer_threads)
         self.summary: dict[str, Any] = {"run_dir": str(self.paths.root)}
+
+    def _check_world_size(self) -> None:
+        """A set allocation_mode and the process group agree on the number of ranks."""
+        world, want = dist.get_world_size(), self.cfg.trainer_world_size
+        if self.cfg.allocation_mode is None or world == want:
+            return
+        if self._owns_group:
+            dist.destroy_process_group()
+        raise ConfigError(
+            f"allocation_mode={self.cfg.allocation_mode!r} asks for {want} trainer ranks but "
+            f"this process group has {world}; start the run with `asyncrl sft|dpo|rm` (which "
+            f"starts the ranks itself), or set allocation_mode=fsdp:d{world} (or drop it) "
+            f"to match torchrun's --nproc-per-node")
 
     def __enter__(self) -> OfflineTrainer:
         return self
@@ -115,6 +134,8 @@ class OfflineTrainer:
         taking its arguments) built on `model`'s section; its outputs are what `loss_fn` reads.
         """
         cfg = self.cfg
+        self._check_batches_split(train, cfg.train_dataset.batch_size, "train_dataset")
+        self._check_batches_split(valid, self._eval_batch_size(), "valid_dataset")
         steps_per_epoch = math.ceil(len(train) / cfg.train_dataset.batch_size)
         total = min(cfg.total_train_epochs * steps_per_epoch, cfg.total_train_steps or 10**12)
         engine = engine_cls(cfg.model.engine_spec(), total_steps=total, seed=cfg.seed)
@@ -178,6 +199,21 @@ class OfflineTrainer:
         self.summary[name] = result
         logger.info("%s (step %d, %d held-out examples): %s", name, step, len(valid),
                     ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+
+    @staticmethod
+    def _check_batches_split(examples: list[Example], batch_size: int, name: str) -> None:
+        """Every batch, the last (smaller) one too, has an example for each rank.
+
+        Checked before training: otherwise the run fails only at the end of an epoch.
+        """
+        world = dist.get_world_size()
+        last = len(examples) % batch_size or batch_size
+        if examples and min(last, len(examples)) < world:
+            raise ConfigError(
+                f"{name}: {len(examples)} examples in batches of {batch_size} leave a last "
+                f"batch of {min(last, len(examples))}, fewer than the {world} ranks, and every "
+                f"rank needs an example of each batch; change {name}.batch_size or "
+                f"{name}.size")
 
     def _eval_batch_size(self) -> int:
         valid = self.cfg.valid_dataset
