@@ -259,11 +259,16 @@ def _tail(actor: Any, log_path: str) -> str:
         return log_tail(log_path)
 
 
+_LIGHT_MEMORY = float(64 << 20)  # bytes a worker asking no resource reserves
+
+
 def _bundle(spec: WorkerSpec) -> dict[str, float]:
-    """One worker's resources; Ray needs some, so a worker asking none gets 1% of a CPU."""
+    """One worker's resources. Ray needs some per bundle, so a worker asking none (a light
+    service: router, weight update, agent proxy) reserves 64 MiB of memory, which fits
+    beside workers that hold every CPU of a node."""
     bundle = {"CPU": float(spec.cpus), "GPU": float(spec.gpus),
               "memory": float(spec.memory_gb * 2**30)}
-    return {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
+    return {k: v for k, v in bundle.items() if v} or {"memory": _LIGHT_MEMORY}
 
 
 def _worker(role: str, index: int, node: tuple[str, str, str], host: str, port: int, pid: int,

@@ -52,6 +52,10 @@ class Services:
     weight_update: WeightUpdateClient | None = None  # None: the controller publishes
 
 
+# The router, weight-update and agent services are light (HTTP, tokenising): they reserve no
+# core (cpus=0: unpinned locally, a sliver of a CPU under Ray, one task's CPU under Slurm).
+
+
 def in_service(cfg: ExperimentConfig, choice: str) -> bool:
     """`auto` means a service off the local scheduler, inline on it."""
     return cfg.scheduler.type != "local" if choice == "auto" else choice == "service"
@@ -78,7 +82,7 @@ def weight_update_spec(config_path: str, ranks: list[str], servers: list[str],
                  config_path, "--trainer", ",".join(ranks),
                  *(["--router", router] if router else ["--servers", ",".join(servers)]),
                  "--host", "{host}", "--port", "{port}"],
-        env={**env, "PYTHONUNBUFFERED": "1"}, cpus=1, cores=[[]] if local else None)
+        env={**env, "PYTHONUNBUFFERED": "1"}, cpus=0, cores=[[]] if local else None)
 
 
 def router_spec(cfg: ExperimentConfig, servers: list[str], *, inference_key: str | None,
@@ -94,7 +98,7 @@ def router_spec(cfg: ExperimentConfig, servers: list[str], *, inference_key: str
         command += ["--health-check-interval", str(r.health_check_interval)]
     return WorkerSpec(role="router", count=1, command=command,
                       env={"ASYNCRL_API_KEY": inference_key} if inference_key else {},
-                      cpus=1, cores=[[]] if local else None)
+                      cpus=0, cores=[[]] if local else None)
 
 
 def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
@@ -113,7 +117,7 @@ def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
         command=[sys.executable, "-m", "asyncrl.services.agent", "--config", config_path,
                  *(["--router", router] if router else ["--servers", ",".join(servers)]),
                  "--host", cfg.agent.host if local else "{host}", "--port", "{port}"],
-        env=env, cpus=1, port=cfg.agent.port or None, cores=[[]] if local else None)
+        env=env, cpus=0, port=cfg.agent.port or None, cores=[[]] if local else None)
 
 
 def trainer_in_service(cfg: ExperimentConfig) -> bool:
