@@ -72,6 +72,10 @@ class ActorConfig:
     init_from_scratch: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
     gradient_checkpointing: bool = False
+    # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
+    # once per micro-batch, as a token trie with exact gradients (training/prefix.py); the
+    # reference and teacher log-probs follow this switch.
+    shared_prefix: bool = False
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # The temperature the behaviour log-probs were computed at (logits / T).
@@ -274,6 +278,7 @@ class CriticConfig:
     init_from_scratch: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
     gradient_checkpointing: bool = False
+    shared_prefix: bool = False  # as actor.shared_prefix
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # Value clipping (AReaL's critic.eps_clip): the clipped prediction is

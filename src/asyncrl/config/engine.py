@@ -64,6 +64,10 @@ class TrainEngineSpec:
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     temperature: float = 1.0  # a policy's log-probs are those of logits / temperature
+    # Rows sharing a prefix (a group's prompt, an agent's earlier turns) run it once: each
+    # micro-batch goes through the model as a token trie (training/prefix.py). Exact
+    # gradients; needs sdpa attention and full-attention layers.
+    shared_prefix: bool = False
 
     @classmethod
     def of(cls, section: Any, **overrides: Any) -> TrainEngineSpec:

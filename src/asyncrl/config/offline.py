@@ -43,6 +43,9 @@ class TrainEngineConfig:
     gradient_checkpointing: bool = False
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    # Rows sharing a prefix (DPO's chosen and rejected share their prompt) run it once, as
+    # a token trie (training/prefix.py); exact. Needs sdpa attention.
+    shared_prefix: bool = False
 
     def engine_spec(self) -> TrainEngineSpec:
         """What `FSDPTrainEngine` reads of this section."""

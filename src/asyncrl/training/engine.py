@@ -9,6 +9,10 @@ over ranks, so the gradient is that of the batch loss whatever the world size.
 sampling distribution (the logits at the actor's temperature), computed without gradient
 inside the chunked vocabulary projection.
 
+With `spec.shared_prefix`, each micro-batch runs as the token trie of its rows
+(`training/prefix.py`): a prefix that rows share (a group's prompt) is computed once, and
+its activations receive every row's gradient. Outputs and gradients equal the padded path's.
+
 Loss-function stats are per-micro-batch contributions to batch-level numbers and are
 summed over micro-batches and ranks, except keys ending in `_max` / `_min` (max / min).
 A loss function reporting a batch mean should therefore divide by the batch's `n_tokens`,
@@ -36,6 +40,7 @@ from asyncrl.training import checkpoint
 from asyncrl.training.dist import init_process_group, local_device
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.optim import make_lr_scheduler, make_optimizer
+from asyncrl.training.prefix import PrefixPack, pack_prefixes
 
 # Floats of one chunk of fp32 logits (128 MiB): bounds the memory of the vocabulary
 # projection whatever the batch size.
@@ -51,7 +56,12 @@ class TokenLogprobModel(nn.Module):
     training), in chunks of LOGIT_CHUNK_ELEMENTS fp32 logits: gather - logsumexp, never a
     full [B, T, V] log_softmax. With gradients and more than one chunk, each chunk's logits
     are recomputed in backward instead of kept, so memory stays at one chunk.
+
+    Given a `PrefixPack`, the decoder runs on the trie's nodes and each distinct (prefix,
+    token) goes through the projection once; rows sharing it read the same value.
     """
+
+    packs_prefixes = True  # its forward takes `pack` (FSDPTrainEngine checks it)
 
     def __init__(self, hf_model: nn.Module, temperature: float) -> None:
         super().__init__()
@@ -59,21 +69,37 @@ class TokenLogprobModel(nn.Module):
         self.temperature = temperature
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                targets: torch.Tensor, with_entropy: bool = False
+                targets: torch.Tensor, with_entropy: bool = False,
+                pack: PrefixPack | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[B, T] fp32 log-probs where `targets` (bool [B, T]) is True, 0 elsewhere.
 
         `with_entropy`: also the entropy of the sampling distribution (logits / T) at those
-        positions, [B, T], without gradient.
+        positions, [B, T], without gradient. `pack`: the rows' trie (the same numbers).
         """
-        out = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                    use_cache=False)
         chosen = targets[:, 1:]  # token t is predicted by the hidden state at t - 1
-        hidden = out.last_hidden_state[:, :-1][chosen]
-        tokens = input_ids[:, 1:][chosen]
-        parts = self._logprobs(hidden, tokens, with_entropy)
+        if pack is None:
+            out = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                        use_cache=False)
+            hidden = out.last_hidden_state[:, :-1][chosen]
+            parts = self._logprobs(hidden, input_ids[:, 1:][chosen], with_entropy)
+        else:
+            parts = self._trie_logprobs(pack, chosen, with_entropy)
         placed = [_place(chosen, values) for values in parts]
         return tuple(placed) if with_entropy else placed[0]
+
+    def _trie_logprobs(self, pack: PrefixPack, chosen: torch.Tensor,
+                       with_entropy: bool) -> list[torch.Tensor]:
+        """`_logprobs` of the chosen tokens, each distinct node once, from its parent's state.
+
+        The gather that hands a node's value to every row through it sums their gradients
+        in backward, into the one shared activation: the exact gradient.
+        """
+        out = self.hf.get_decoder()(**pack.model_inputs(), use_cache=False)
+        nodes, spread = pack.chosen_nodes(chosen)
+        hidden = out.last_hidden_state.flatten(0, 1)[pack.parent[nodes]]
+        parts = self._logprobs(hidden, pack.input_ids.flatten()[nodes], with_entropy)
+        return [values[spread] for values in parts]
 
     def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
                   with_entropy: bool) -> list[torch.Tensor]:
@@ -125,6 +151,24 @@ def _check_no_dropout(config: Any) -> None:
         if "dropout" in name and isinstance(value, float) and value > 0:
             raise ValueError(f"model config {name}={value}: the trainer's log-probs must match "
                              f"the inference engine's, which has no dropout; set {name} to 0")
+
+
+def _check_packable(model: nn.Module) -> None:
+    """Refuse `shared_prefix` where the trie's 4D ancestor mask would not be the one applied."""
+    name = type(model).__name__
+    if not getattr(model, "packs_prefixes", False):
+        raise ValueError(f"shared_prefix=true: {name} has no shared-prefix forward; "
+                         "set shared_prefix to false")
+    config = model.hf.config
+    if config._attn_implementation != "sdpa":
+        # eager adds the mask as a float bias; flash attention takes no 4D mask at all.
+        raise ValueError(f"shared_prefix=true needs sdpa attention, the model uses "
+                         f"{config._attn_implementation!r}; set shared_prefix to false")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        # A custom 4D mask replaces the one HF would build, sliding windows included.
+        raise ValueError(f"shared_prefix=true needs full-attention layers, the model has "
+                         f"{sorted(layer_types)}; set shared_prefix to false")
 
 
 def targets_all(mb: TensorBatch) -> torch.Tensor:
@@ -211,6 +255,8 @@ class FSDPTrainEngine:
             hf_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(hf_model)
+        if self.spec.shared_prefix:
+            _check_packable(self.model)
         self._shard(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, self.spec.optimizer, self.total_steps)
@@ -292,7 +338,7 @@ class FSDPTrainEngine:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         for rows, real in self._my_micro_batches(batch):
             mb = to_device(batch.select(rows), self.device)
-            per_token = model(mb.input_ids, mb.attention_mask, targets_all(mb))
+            per_token = self._root_forward(model, mb, targets_all(mb))
             if real:
                 out[torch.as_tensor(rows, device=self.device), : per_token.shape[1]] = per_token
         if self.world_size > 1:
@@ -347,9 +393,16 @@ class FSDPTrainEngine:
         The policy's: log-probs, and its token entropy over the loss tokens (this
         micro-batch's share of the batch mean). Engines with other roots override it.
         """
-        logprobs, entropy = model(mb.input_ids, mb.attention_mask, targets_loss(mb),
-                                  with_entropy=True)
+        logprobs, entropy = self._root_forward(model, mb, targets_loss(mb), with_entropy=True)
         return logprobs, {"entropy": float((entropy * mb.loss_mask).sum()) / max(n_tokens, 1)}
+
+    def _root_forward(self, model: nn.Module, mb: TensorBatch, targets: torch.Tensor,
+                      **kwargs: Any) -> Any:
+        """The root's forward on `mb`, through the rows' prefix trie if `spec.shared_prefix`."""
+        if self.spec.shared_prefix:
+            pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu())
+            kwargs["pack"] = pack.to(mb.input_ids.device)
+        return model(mb.input_ids, mb.attention_mask, targets, **kwargs)
 
     def _clip_gradients(self) -> float:
         """The global gradient norm (before clipping); clips to `gradient_clipping` if > 0."""

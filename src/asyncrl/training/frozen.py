@@ -15,10 +15,11 @@ from asyncrl.training.engine import FSDPTrainEngine
 
 
 def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int,
-                  temperature: float = 1.0, init_from_scratch: bool = False) -> FSDPTrainEngine:
+                  temperature: float = 1.0, init_from_scratch: bool = False,
+                  shared_prefix: bool = False) -> FSDPTrainEngine:
     """A never-stepped engine for the model at `path` (not initialised)."""
     spec = TrainEngineSpec(path=path, dtype=dtype, mb_spec=mb_spec, temperature=temperature,
-                           init_from_scratch=init_from_scratch)
+                           init_from_scratch=init_from_scratch, shared_prefix=shared_prefix)
     return FSDPTrainEngine(spec, total_steps=1, seed=seed)
 
 
@@ -31,7 +32,8 @@ def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
         return None
     return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
                          seed=cfg.seed, temperature=cfg.actor.temperature,
-                         init_from_scratch=cfg.actor.init_from_scratch)
+                         init_from_scratch=cfg.actor.init_from_scratch,
+                         shared_prefix=cfg.actor.shared_prefix)
 
 
 def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
@@ -40,7 +42,7 @@ def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
         return None
     return frozen_engine(path=cfg.teacher.path, dtype=cfg.teacher.dtype,
                          mb_spec=cfg.teacher.mb_spec, seed=cfg.seed,
-                         temperature=cfg.actor.temperature)
+                         temperature=cfg.actor.temperature, shared_prefix=cfg.actor.shared_prefix)
 
 
 def check_shared_vocab(student_vocab: dict[str, int], teacher_vocab: dict[str, int],

@@ -14,6 +14,7 @@ from torch import nn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.training.engine import FSDPTrainEngine, targets_loss
+from asyncrl.training.prefix import PrefixPack
 
 
 class ValueModel(nn.Module):
@@ -23,17 +24,25 @@ class ValueModel(nn.Module):
     last hidden state is at position t - 1. So entry t of the output is the head applied
     to hidden state t - 1, where `targets` (bool [B, T]) is True; 0 elsewhere and at t = 0.
     A row's values then line up index for index with its log-probs and loss mask.
+    Given a `PrefixPack`, the model runs on the rows' trie and each token reads the head's
+    output at its node (the same numbers; shared nodes sum the rows' gradients).
     """
+
+    packs_prefixes = True  # its forward takes `pack` (FSDPTrainEngine checks it)
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                targets: torch.Tensor) -> torch.Tensor:
+                targets: torch.Tensor, pack: PrefixPack | None = None) -> torch.Tensor:
         """[B, T] fp32 values where `targets` is True, 0 elsewhere (no gradient there)."""
-        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        scores = out.logits[..., 0].float()  # [B, T]: one label, cheap on every position
+        if pack is None:
+            out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            scores = out.logits[..., 0].float()  # [B, T]: one label, cheap on every position
+        else:
+            out = self.hf(**pack.model_inputs(), use_cache=False)
+            scores = pack.unpack(out.logits[..., 0].float())
         shifted = nn.functional.pad(scores[:, :-1], (1, 0))
         return shifted * targets
 
@@ -46,7 +55,7 @@ class FSDPValueEngine(FSDPTrainEngine):
 
     def _train_forward(self, model: nn.Module, mb: TensorBatch,
                        n_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
-        return model(mb.input_ids, mb.attention_mask, targets_loss(mb)), {}
+        return self._root_forward(model, mb, targets_loss(mb)), {}
 
     def _wrap(self, hf_model: nn.Module) -> nn.Module:
         return ValueModel(hf_model)
