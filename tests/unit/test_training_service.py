@@ -4,7 +4,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +44,22 @@ def test_a_body_that_is_not_a_batch_is_refused_with_the_reason():
         decode_batch(save({"labels": torch.zeros(2)}))
     with pytest.raises(ValueError, match="lacks the fields"):
         decode_batch(save({"input_ids": torch.zeros(2, 3, dtype=torch.long)}))
+
+
+def test_a_batch_file_is_read_from_shared_memory_only():
+    from asyncrl.services.training import batch_from_request
+
+    tb = random_batch(seed=4)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="asyncrl-batch-") as f:
+        f.write(encode_batch(tb))
+        f.flush()
+        back = batch_from_request(json.dumps({"batch_file": f.name}).encode(), "application/json")
+    assert torch.equal(back.input_ids, tb.input_ids)
+    for bad in ("/etc/passwd", "/dev/shm/other", "/dev/shm/../etc/asyncrl-batch-x"):
+        with pytest.raises(ValueError, match="batch_file must be /dev/shm/asyncrl-batch-"):
+            batch_from_request(json.dumps({"batch_file": bad}).encode(), "application/json")
+    with pytest.raises(ValueError, match="a JSON batch must be"):
+        batch_from_request(b'{"path": 1}', "application/json")
 
 
 def _config(tmp_path, model):
@@ -107,6 +125,7 @@ def test_two_service_ranks_train_like_one_inline_rank(tiny_path, tmp_path):
     procs, addresses = _start_ranks(config_path, 2)
     try:
         client = TrainingClient(addresses, timeout=120)
+        assert client.shared_memory  # both ranks on this host: batches go through /dev/shm
         assert client.initialize(total_steps=3) == {"rank": 0, "world_size": 2}
         two_logprobs = client.compute_logprobs(_batch())
         two = client.train(_batch())
@@ -117,6 +136,7 @@ def test_two_service_ranks_train_like_one_inline_rank(tiny_path, tmp_path):
         client.destroy()
     finally:
         _stop(procs)
+    assert not list(Path("/dev/shm").glob("asyncrl-batch-*"))  # each removed after its call
 
     worker = RLWorker(cfg)
     try:

@@ -24,7 +24,9 @@ same order):
     POST /weights/free_port {host}    a port free on this rank's host (the rendezvous's)
 
 Control is JSON; a batch travels as the bytes of a safetensors file of the `TensorBatch`
-fields (`encode_batch`), never as JSON numbers. If $ASYNCRL_API_KEY is set, every route
+fields (`encode_batch`), never as JSON numbers. When every rank is on the client's host the
+bytes are written once to shared memory (/dev/shm) and each rank is sent the file's name
+({"batch_file": path}, only files named asyncrl-batch-* there are read). If $ASYNCRL_API_KEY is set, every route
 but /health needs `Authorization: Bearer <key>`. A failing call answers 500 with the
 error and the rank; `TrainingClient` raises it naming the rank and address.
 """
@@ -37,6 +39,7 @@ import functools
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 import urllib.error
@@ -87,6 +90,30 @@ def decode_batch(data: bytes) -> TensorBatch:
     if missing := [name for name in required if name not in tensors]:
         raise ValueError(f"the batch lacks the fields {missing}")
     return TensorBatch(**tensors)
+
+
+_SHM = "/dev/shm"
+_SHM_PREFIX = "asyncrl-batch-"
+
+
+def batch_from_request(body: bytes, content_type: str) -> TensorBatch:
+    """A batch sent as safetensors bytes, or as {"batch_file": path} in shared memory."""
+    if content_type != "application/json":
+        return decode_batch(body)
+    try:
+        path = json.loads(body)["batch_file"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError('a JSON batch must be {"batch_file": "<path under /dev/shm>"}') from None
+    name = os.path.basename(str(path))
+    if os.path.dirname(str(path)) != _SHM or not name.startswith(_SHM_PREFIX):
+        raise ValueError(f"batch_file must be {_SHM}/{_SHM_PREFIX}*, got {path!r}")
+    with open(path, "rb") as f:
+        return decode_batch(f.read())
+
+
+def _local_host(address: str) -> bool:
+    host = urllib.parse.urlsplit(address).hostname or ""
+    return host == "localhost" or host.startswith("127.")
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -167,12 +194,12 @@ class TrainingService:
 
     async def train(self, request: web.Request) -> web.Response:
         self._require_initialized()
-        tb = decode_batch(await request.read())
+        tb = batch_from_request(await request.read(), request.content_type)
         return web.json_response(await self._run(self.worker.train, tb))
 
     async def compute_logprobs(self, request: web.Request) -> web.Response:
         self._require_initialized()
-        tb = decode_batch(await request.read())
+        tb = batch_from_request(await request.read(), request.content_type)
         logprobs = await self._run(self.worker.compute_logprobs, tb)
         return web.Response(body=save_safetensors({"logprobs": logprobs.contiguous()}),
                             content_type=_BINARY)
@@ -279,6 +306,8 @@ class TrainingClient:
         self.api_key = api_key
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses),
                                         thread_name_prefix="trainer-client")
+        # Batches go through /dev/shm when every rank shares this host.
+        self.shared_memory = os.path.isdir(_SHM) and all(map(_local_host, self.addresses))
 
     def _request(self, address: str, route: str, body: bytes | None, content_type: str,
                  timeout: float) -> bytes:
@@ -328,11 +357,24 @@ class TrainingClient:
         return self._json_all("/initialize", {"total_steps": total_steps})
 
     def train(self, tb: TensorBatch) -> dict[str, float]:
-        return json.loads(self._all("/train", encode_batch(tb), _BINARY))
+        return json.loads(self._batch_all("/train", tb))
 
     def compute_logprobs(self, tb: TensorBatch) -> torch.Tensor:
-        return load_safetensors(self._all("/compute_logprobs", encode_batch(tb),
-                                          _BINARY))["logprobs"]
+        return load_safetensors(self._batch_all("/compute_logprobs", tb))["logprobs"]
+
+    def _batch_all(self, route: str, tb: TensorBatch) -> bytes:
+        """Send `tb` to every rank: once through shared memory when all are on this host
+        (with more than one rank), else as each request's body."""
+        data = encode_batch(tb)
+        if len(self.addresses) < 2 or not self.shared_memory:
+            return self._all(route, data, _BINARY)
+        fd, path = tempfile.mkstemp(prefix=_SHM_PREFIX, dir=_SHM)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return self._all(route, json.dumps({"batch_file": path}).encode())
+        finally:
+            os.unlink(path)
 
     def save_hf(self, path: str, dtype: torch.dtype | None = None, *,
                 with_critic: bool = False) -> None:
