@@ -240,13 +240,14 @@ class AgentClient:
         self._closed = False
 
     async def _post(self, path: str, body: dict[str, Any], *,
-                    timeout: float | None = None) -> dict[str, Any] | None:
+                    timeout: float | None = -1.0) -> dict[str, Any] | None:
+        """POST `path`; `timeout` seconds (default: the client's; None: no limit)."""
         if self._http is None:
             self._http = aiohttp.ClientSession(headers=self._headers)
+        total = self.timeout if timeout == -1.0 else timeout
         try:
-            async with self._http.post(
-                    self.address + path, json=body,
-                    timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)) as resp:
+            async with self._http.post(self.address + path, json=body,
+                                       timeout=aiohttp.ClientTimeout(total=total)) as resp:
                 if resp.status == 204:
                     return None
                 text = await resp.text()
@@ -289,11 +290,14 @@ class AgentClient:
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
 
-    async def await_session(self, version: int, timeout: float = GRANT_TIMEOUT,
-                            session_timeout: float = 3600.0) -> Session | None:
-        """Hold one grant open at `version`; the session that took it, once ended, or None."""
+    async def await_session(self, version: int, timeout: float = GRANT_TIMEOUT
+                            ) -> Session | None:
+        """Hold one grant open at `version`; the session that took it, once ended, or None.
+
+        No limit on the wait here: the service answers when the grant lapses or its session
+        ends (its idle timeout ends a silent one), and a dead service drops the connection."""
         out = await self._post("/rl/await_session", {"version": version, "timeout": timeout},
-                               timeout=timeout + session_timeout)
+                               timeout=None)
         return None if out is None else Session.from_record(out["session"])
 
     async def set_version(self, version: int) -> None:

@@ -111,8 +111,7 @@ class AgentRuntime:
     def _grant(self, version: int):
         async def run():
             try:
-                session = await self.service.await_session(
-                    version, session_timeout=self.cfg.agent.session_timeout + 60)
+                session = await self.service.await_session(version)
             except AgentServiceError as e:
                 logger.warning("online grant at version %d failed: %s", version, e)
                 await asyncio.sleep(1.0)  # the service is restarting or gone; do not spin
