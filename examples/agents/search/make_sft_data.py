@@ -1,16 +1,16 @@
 """Worked search episodes as SFT rows: a warm start that teaches SmolLM2 the call format.
 
-    python examples/agents/search/make_sft_data.py --out runs/search_sft.jsonl --size 256
-    python examples/agents/search/make_sft_data.py --out runs/search_sft.jsonl --size 256 \
-        --hops 1 2 --two-hop-fraction 0.25
+    python examples/agents/search/make_sft_data.py --out runs/search_sft.jsonl --size 384 \
+        --hops 1 2                       # half one-hop, half two-hop (--two-hop-fraction)
 
 Each row is one training-split question done right, as the agent's conversation in the
 text the proxy shows the model (SmolLM2's template has no tools, so tools, calls and
 results are written in the Hermes form): the agent's own prompt (system text with the tool
-block, its two worked examples), the question, "I will search for it." and a `search` call
-for the question's subject, the tool's real result, and the tagged answer. A two-hop
-question gets a second turn between them: the entity the first result names ("Now I will
-search for Brask.") and a second call for it, as the agent's third turn allows.
+block, its two worked examples), the question, a `search` call for the question's subject,
+the tool's real result, and the tagged answer. The first turn says how many searches the
+question needs ("This needs two searches. I will search for Orla Fennick."); a two-hop
+question then gets a second turn, a call for the entity the first result names ("Now I
+will search for Brask."), as the agent's third turn allows.
 `asyncrl sft` learns every assistant turn (`examples/sft/search_sft_cpu.yaml`); the RL run
 then starts from it (`search_cpu.yaml actor.path=<checkpoint>`). Validation questions are
 never used.
@@ -36,7 +36,11 @@ def episode(item: dict, subjects: dict[str, str]) -> dict:
     """The conversation of one item done right: one search per supporting document."""
     toolbox = ToolBox([SearchTool.for_item(item)])
     queries = [subjects[d] for d in item["metadata"]["supporting_doc_ids"]]
-    leads = ["I will search for it."] + [f"Now I will search for {q}." for q in queries[1:]]
+    # The first turn says how many searches the question needs, while the question is the
+    # last thing the model read: that is where one-hop and two-hop questions part.
+    plan = "This needs one search." if len(queries) == 1 else "This needs two searches."
+    leads = [f"{plan} I will search for {queries[0]}."] + \
+        [f"Now I will search for {q}." for q in queries[1:]]
     answer = item["answer"]
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT,
                 {"role": "user", "content": item["question"]}]
@@ -58,9 +62,10 @@ def worked_items(size: int, seed: int, corpus_seed: int, n_entities: int, hops: 
         raise ValueError(f"--hops {hops} with --two-hop-fraction {two_hop_fraction} cannot "
                          f"give {size} rows; use --hops 1 2 or a fraction of 0 or 1")
     kw = {"seed": seed, "corpus_seed": corpus_seed, "n_entities": n_entities, "split": "train"}
-    items = (search_items(size=n_one, hops=[1], **kw) if n_one else []) + \
-            (search_items(size=n_two, hops=[2], **kw) if n_two else [])
-    random.Random(seed).shuffle(items)
+    if not n_two or not n_one:  # one kind: in search_items' order
+        return search_items(size=size, hops=[2 if n_two else 1], **kw)
+    items = search_items(size=n_one, hops=[1], **kw) + search_items(size=n_two, hops=[2], **kw)
+    random.Random(seed).shuffle(items)  # the kinds mixed within every SFT batch
     return items
 
 
@@ -73,8 +78,8 @@ def main() -> None:
     p.add_argument("--corpus-seed", type=int, default=0)
     p.add_argument("--n-entities", type=int, default=200)
     p.add_argument("--hops", type=int, nargs="+", default=[1], choices=[1, 2])
-    p.add_argument("--two-hop-fraction", type=float, default=0.25,
-                   help="share of two-hop rows when --hops has 2 (default 0.25)")
+    p.add_argument("--two-hop-fraction", type=float, default=0.5,
+                   help="share of two-hop rows when --hops has 2 (default 0.5)")
     args = p.parse_args()
     items = worked_items(args.size, args.seed, args.corpus_seed, args.n_entities, args.hops,
                          args.two_hop_fraction)

@@ -15,6 +15,7 @@ Answers go inside <answer></answer>; `score_answer` reads the last such tag.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -120,20 +121,25 @@ def all_questions(corpus: list[dict[str, Any]], hops: list[int]) -> list[dict[st
     return out
 
 
+def held_out_question(corpus_seed: int, question: str) -> bool:
+    """Whether `question` is in corpus `corpus_seed`'s held-out part (a stable hash)."""
+    digest = hashlib.sha256(f"search-split-{corpus_seed}:{question}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < HELD_OUT_FRACTION * 2**64
+
+
 def search_items(size: int, seed: int, corpus_seed: int = 0, n_entities: int = 200,
                  hops: Sequence[int] = (1,), split: str = "train", **_: Any) -> list[dict[str, Any]]:
     """`size` questions about corpus `corpus_seed`, drawn with `seed` from `split`.
 
-    The corpus's questions are cut once (by `corpus_seed`) into a train part and a held-out
-    "valid" part (HELD_OUT_FRACTION); seeds only choose within a part, so any train seed
-    and any valid seed give disjoint questions.
+    Each question of the corpus belongs to the held-out "valid" part or to the train part
+    by a hash of the question (HELD_OUT_FRACTION of them held out), so its part is the same
+    whichever `hops` are asked for: one-hop, two-hop and mixed sets never share a question
+    across parts. Seeds only choose within a part.
     """
     if split not in ("train", "valid"):
         raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
     pool = all_questions(make_corpus(corpus_seed, n_entities), list(hops))
-    random.Random(f"search-split-{corpus_seed}").shuffle(pool)
-    n_valid = max(1, round(len(pool) * HELD_OUT_FRACTION))
-    part = pool[:n_valid] if split == "valid" else pool[n_valid:]
+    part = [q for q in pool if held_out_question(corpus_seed, q["question"]) == (split == "valid")]
     if size > len(part):
         raise ValueError(f"asked for {size} {split} questions but corpus {corpus_seed} with "
                          f"n_entities={n_entities}, hops={list(hops)} has {len(part)}; "
