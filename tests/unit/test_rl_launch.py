@@ -31,8 +31,11 @@ def _launch(tmp_path, tiny_path, *overrides):
 
 
 def test_off_the_machine_servers_and_ranks_take_per_run_keys(tmp_path, tiny_path):
-    services, (servers, ranks) = _launch(tmp_path, tiny_path, "allocation_mode=local:d2+fsdp:d2",
-                                         "scheduler.trainer_threads=3")
+    services, specs = _launch(tmp_path, tiny_path, "allocation_mode=local:d2+fsdp:d2",
+                              "scheduler.trainer_threads=3")
+    # Off the local machine every role is a service: servers, router, ranks, weight update.
+    servers, router, ranks, weights = specs
+    assert [s.role for s in specs] == ["inference", "router", "trainer", "weight_update"]
     assert servers.role == "inference" and servers.count == 2
     assert servers.env["ASYNCRL_API_KEY"] == services.inference_key
     assert len(services.inference_key) == 32
@@ -43,11 +46,21 @@ def test_off_the_machine_servers_and_ranks_take_per_run_keys(tmp_path, tiny_path
     assert services.trainer.api_key == ranks.env["ASYNCRL_API_KEY"] != services.inference_key
     assert services.trainer.addresses == ["http://10.0.0.9:9000", "http://10.0.0.9:9001"]
     assert services.inference == ["http://10.0.0.9:9000", "http://10.0.0.9:9001"]
+    # The router guards itself and reaches the servers with their key; the weight-update
+    # service has its own key and holds the keys of the ranks and of the router.
+    assert router.env == {"ASYNCRL_API_KEY": services.inference_key} and router.cpus == 0
+    assert services.router == "http://10.0.0.9:9000"
+    assert "--router" in weights.command and "--servers" not in weights.command
+    assert weights.env["ASYNCRL_TRAINER_KEY"] == ranks.env["ASYNCRL_API_KEY"]
+    assert weights.env["ASYNCRL_INFERENCE_KEY"] == services.inference_key
+    assert weights.env["ASYNCRL_API_KEY"] not in (services.inference_key,
+                                                  ranks.env["ASYNCRL_API_KEY"])
+    assert services.weight_update is not None and weights.cpus == 0
 
 
 def test_vllm_servers_get_their_key_and_the_weight_transfer_flag(tmp_path, tiny_path):
-    services, (servers, _) = _launch(tmp_path, tiny_path, "allocation_mode=vllm:d1+fsdp:d1",
-                                     "actor.weight_update_mode=broadcast")
+    services, (servers, *_) = _launch(tmp_path, tiny_path, "allocation_mode=vllm:d1+fsdp:d1",
+                                      "actor.weight_update_mode=broadcast")
     at = servers.command.index("--api-key")
     assert servers.command[at + 1] == services.inference_key
     at = servers.command.index("--weight-transfer-config")
