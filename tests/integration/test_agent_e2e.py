@@ -113,7 +113,8 @@ def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model, whe
                        "node_id": agent[0]["node_id"]}])
 
 
-@pytest.mark.parametrize("router", ["inline", "service"])
+@pytest.mark.parametrize("router", [
+    "inline", pytest.param("service", marks=pytest.mark.slow)])  # the router: services_e2e
 def test_agent_service_process_runs_inline_agents(tmp_path, tiny_model, router):
     """scheduler.agent=service: the proxy is its own process; the controller opens and
     closes the sessions of its inline agent over HTTP and trains on what comes back. With

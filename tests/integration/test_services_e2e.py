@@ -85,6 +85,7 @@ def test_two_trainer_ranks_broadcast_their_weights(tmp_path, tiny_model):
     assert not (run / "weights").exists() or not any((run / "weights").iterdir())
 
 
+@pytest.mark.slow  # test_all_services_as_processes goes through the router by both modes
 @pytest.mark.parametrize("mode", ["disk", "broadcast"])
 def test_a_router_service_routes_generation_and_weight_updates(tmp_path, tiny_model, mode):
     """scheduler.router=service: the controller reaches two servers only through the router
