@@ -91,17 +91,24 @@ def pack_seconds(engine: FSDPTrainEngine, batch: TensorBatch) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def batch_arguments(description: str, *, dtype: str, max_tokens_per_mb: int,
+                    repeats: int) -> argparse.ArgumentParser:
+    """The model and quickstart-shaped batch options these benchmarks share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None,
                         help="an HF folder or named model (default: a tiny random model)")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=75)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-tokens-per-mb", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--max-tokens-per-mb", type=int, default=max_tokens_per_mb)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser
+
+
+def main() -> None:
+    args = batch_arguments(__doc__.split("\n")[0], dtype="float32", max_tokens_per_mb=8192,
+                           repeats=5).parse_args()
 
     if args.model is None:
         from asyncrl.models.tiny import make_tiny_model

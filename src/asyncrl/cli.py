@@ -69,7 +69,7 @@ def print_summary(summary: dict) -> None:
     if after is not None:
         print(f"held-out reward after training : {after:.4f}"
               + (f"  ({after - before:+.4f})" if before is not None else ""))
-    for key in ("stats", "reward_curve"):
+    for key in ("stats", "reward_curve", "timeline"):
         if key in summary:
             print(f"{key:14s}: {summary[key]}")
 

@@ -71,3 +71,44 @@ def test_the_trainers_cores_split_evenly_or_one_each():
     assert rank_cores([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert rank_cores([4, 5, 6], 2) == [[4], [5]]
     assert rank_cores([7], 3) == [[7], [7], [7]]
+
+
+def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path, tiny_path):
+    import os
+
+    from asyncrl.api import cores
+    from asyncrl.config.schema import SchedulerConfig
+    from asyncrl.scheduler.local import LocalScheduler
+
+    class Recording(LocalScheduler):
+        def __init__(self):
+            super().__init__(SchedulerConfig(), tmp_path)
+            self.specs, self.pinned = [], None
+
+        def create_workers(self, spec):
+            return RecordingScheduler.create_workers(self, spec)
+
+        def pin_trainer(self, cores=None, *, shared=None):
+            self.pinned = (cores, shared)
+            return 1
+
+    machine = sorted(os.sched_getaffinity(0))
+
+    def run(*overrides):
+        cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
+                                 "train_dataset.path=unused.jsonl", *overrides])
+        scheduler = Recording()
+        launch(cfg, RunPaths.from_config(cfg), scheduler)
+        return scheduler
+
+    shared = run()
+    [servers] = shared.specs
+    assert servers.affinity == machine and shared.pinned[1] == machine
+    path, slot = servers.env[cores.ENV].split(",")
+    assert slot == "{index}" and os.path.exists(path)  # one slot per server, filled per worker
+    shared.stop_all()
+    assert not os.path.exists(path)  # removed with the run
+    for off in (["scheduler.share_cores=false"], ["rollout.backend=vllm"]):
+        fixed = run(*off)
+        assert fixed.specs[0].affinity is None and cores.ENV not in fixed.specs[0].env
+        assert fixed.pinned[1] is None

@@ -117,6 +117,37 @@ def test_local_workers_become_healthy_and_are_registered(local, tmp_path):
     assert workers[1].log_path == str(tmp_path / "logs" / "agent-1.log")
 
 
+def test_a_core_share_widens_affinity_keeps_home_threads_and_is_removed(tmp_path):
+    import json
+    import os
+
+    import torch
+
+    from asyncrl.api import cores
+    from asyncrl.config.schema import SchedulerConfig
+    from asyncrl.scheduler import LocalScheduler, WorkerSpec
+
+    machine = sorted(os.sched_getaffinity(0))
+    if len(machine) < 2:
+        pytest.skip("needs 2 cores")
+    with LocalScheduler(SchedulerConfig(startup_timeout=20), tmp_path) as scheduler:
+        path = scheduler.open_core_share()
+        spec = WorkerSpec("inference", 1, health_server(str(tmp_path / "env.json")),
+                          env={cores.ENV: f"{path},{{index}}"}, cores=[machine[1:2]],
+                          affinity=machine[:2])
+        scheduler.create_workers(spec)
+        env = json.loads((tmp_path / "env.json").read_text())
+        # it may run on both cores, but its home (OpenMP team) is its own one
+        assert (env["AFFINITY"], env["OMP_NUM_THREADS"], env[cores.ENV]) == (
+            machine[:2], "1", f"{path},0")
+        assert scheduler.pin_trainer(machine[:1], shared=machine[:2]) == 1
+        assert os.sched_getaffinity(0) == set(machine[:2])
+        share = cores.current()
+        assert (share.path, share.slot, share.home) == (path, cores.TRAINER_SLOT, 1)
+    assert cores.current() is None and not os.path.exists(path)
+    assert os.sched_getaffinity(0) == set(machine) and torch.get_num_threads() >= 1
+
+
 def test_local_torch_distributed_workers_get_rank_variables_cores_and_threads(local, tmp_path):
     import json
     import os

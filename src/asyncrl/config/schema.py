@@ -79,6 +79,11 @@ class SchedulerConfig:
     # Under ray and slurm: the cores of each server and of each trainer rank (default 1).
     inference_threads: Optional[int] = None
     trainer_threads: Optional[int] = None
+    # Local scheduler, CPU, `local` backend, inline trainer: the cores above are each side's
+    # home, and a busy side also runs on the cores of an idle one (the trainer while the
+    # staleness bound holds the server back, the server while the trainer waits), taken up
+    # and given back within one decoder layer or decode step (api/cores.py). false: a fixed split.
+    share_cores: bool = True
     # Seconds to wait for a server's /health before giving up (its log tail is shown).
     startup_timeout: float = 300.0
 

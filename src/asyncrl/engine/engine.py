@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncrl.api.cores import CoreShare
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.engine.model import DTYPES, Transformer, Weights, hf_shapes, read_checkpoint
@@ -133,13 +134,19 @@ class LocalEngine:
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held for the whole of a step
         self._thread: threading.Thread | None = None
+        self._share: CoreShare | None = None  # set by `spawn`
 
     # ---- public API (any thread) -------------------------------------------------------
 
     @classmethod
     def spawn(cls, model_path: str, config: LocalEngineConfig | None = None, *, seed: int = 0,
-              device: str = "cpu", threads: int | None = None) -> LocalEngine:
-        """Load the model in a new daemon thread and run the loop there (see the module doc)."""
+              device: str = "cpu", threads: int | None = None,
+              share: CoreShare | None = None) -> LocalEngine:
+        """Load the model in a new daemon thread and run the loop there (see the module doc).
+
+        `share`: this server's part of a core share (api/cores.py): the loop is busy while
+        it has sequences and sets its thread count before every step.
+        """
         made: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
@@ -150,6 +157,7 @@ class LocalEngine:
             except BaseException as e:  # handed to the caller below
                 made.set_exception(e)
                 return
+            engine._share = share
             engine._thread = threading.current_thread()
             made.set_result(engine)
             engine._loop()
@@ -262,13 +270,19 @@ class LocalEngine:
     # ---- the loop (engine thread) -----------------------------------------------------
 
     def _loop(self) -> None:
+        share = self._share
         while True:
             with self._cond:
                 while not self._stopping and not self._updates and (
                         self._paused or not (self._waiting or self._active)):
+                    if share is not None:
+                        share.set_busy(False)
                     self._cond.wait()
                 if self._stopping:
                     return
+            if share is not None:
+                share.set_busy(True)
+                share.adjust()
             try:
                 self.step()
             except Exception as e:  # a bug in a step must not hang every caller: fail them

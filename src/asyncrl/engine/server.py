@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from asyncrl.api.cores import CoreShare
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.engine.cpu import huge_empty
@@ -339,8 +340,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Cores lent and borrowed on demand (api/cores.py) when the scheduler set up a share.
+    share = CoreShare.from_env(home=threads or torch.get_num_threads()) \
+        if device == "cpu" else None
     # The model is loaded and run in the engine's thread; this one only serves HTTP.
-    engine = LocalEngine.spawn(model, config, seed=seed, device=device, threads=threads)
+    engine = LocalEngine.spawn(model, config, seed=seed, device=device, threads=threads,
+                               share=share)
     # Everything loaded so far lives as long as the server: keep the cyclic garbage
     # collector from walking it again on every collection (it showed up at ~2% of decode).
     gc.freeze()

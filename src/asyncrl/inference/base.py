@@ -122,6 +122,9 @@ class HTTPInferenceEngine:
         self._session: aiohttp.ClientSession | None = None
         self._update_lock: asyncio.Lock | None = None  # made on the client loop
         self._health_task: asyncio.Task | None = None
+        # observe/timeline.py's Timeline (duck-typed: begin/end), set by the run that owns
+        # the client: each server's "generate" spans (requests in flight) and weight loads.
+        self.timeline: Any = None
 
     # ---- what a backend provides ----------------------------------------------------------
 
@@ -304,6 +307,8 @@ class HTTPInferenceEngine:
             finally:
                 with self._lock:
                     self._outstanding[idx] -= 1
+                    if self.timeline is not None and not self._outstanding[idx]:
+                        self.timeline.end(f"server {idx}", "generate")
 
     def _acquire(self, rid: str) -> int | None:
         """The server for key `rid` (its pinned one if live, else the least busy); None if none
@@ -321,6 +326,8 @@ class HTTPInferenceEngine:
                 if len(self._pinned) > _MAX_PINNED_RIDS:
                     self._pinned.popitem(last=False)
             self._outstanding[idx] += 1
+            if self.timeline is not None and self._outstanding[idx] == 1:
+                self.timeline.begin(f"server {idx}", "generate")
             return idx
 
     def _mark_down(self, idx: int, why: str) -> None:
@@ -423,12 +430,17 @@ class HTTPInferenceEngine:
                                           timeout=_PROBE_TIMEOUT_S) for i in members])
 
     async def _update_server(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
+        if self.timeline is not None:
+            self.timeline.begin(f"server {idx}", "load weights")
         try:
             await self._update_one(idx, path, version)
         except WeightUpdateError as e:
             if isinstance(e.__cause__, ServerUnreachableError):
                 self._mark_down(idx, str(e.__cause__))
             raise
+        finally:
+            if self.timeline is not None:
+                self.timeline.end(f"server {idx}", "load weights")
         self._versions[idx] = version
 
     async def _check_servers(self) -> None:

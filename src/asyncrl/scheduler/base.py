@@ -50,6 +50,9 @@ class WorkerSpec:
     health_path: str | None = "/health"  # polled until 200; None: the process living is enough
     worker_args: list[list[str]] | None = None  # appended to worker i's argv (e.g. its seed)
     cores: list[list[int]] | None = None  # local only: affinity per worker ([] : unpinned)
+    # local only: the cores every worker may run on when it shares cores on demand
+    # (api/cores.py); `cores` then still sets its own (home) thread count.
+    affinity: list[int] | None = None
     gpu_ids: list[list[int]] | None = None  # local only: GPUs per worker (overrides gpus)
     # A fixed port for every worker (a service whose clients are told its address in
     # advance, e.g. agent.port); None: a free port the scheduler picks. Taken: an error.

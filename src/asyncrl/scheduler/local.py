@@ -5,19 +5,25 @@ process dies), keeps logs under <run>/logs/<role>-<index>.log, and stops every c
 exit, on Ctrl-C and when this process dies (PR_SET_PDEATHSIG), so none outlives its run.
 
 On a CPU machine generation and training run at the same time; each gets its own cores
-(affinity and thread count) instead of both oversubscribing the machine.
+(affinity and thread count) instead of both oversubscribing the machine. With a core share
+(`open_core_share`, api/cores.py) each may also run on the other's cores while the other
+is idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import socket
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.api import cores as cores_api
 from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
 from asyncrl.scheduler import process
 from asyncrl.scheduler.base import (
@@ -83,6 +89,7 @@ class LocalScheduler:
         self.procs: dict[str, list[_Proc]] = {}
         self.trainer_cores: list[int] = []
         self._unpinned: tuple[set[int], int] | None = None  # affinity and threads before pinning
+        self._core_share: str | None = None  # the share file of `open_core_share`
         self._next_core = 0
         self._next_gpu = 0
 
@@ -190,10 +197,24 @@ class LocalScheduler:
         """Stop server `index` (and its children: vLLM runs its engine in a child process)."""
         process.stop([self.procs["inference"][index].proc], timeout)
 
-    def pin_trainer(self, cores: list[int] | None = None) -> int:
+    def open_core_share(self) -> str:
+        """A new core share (api/cores.py) for this run's processes, removed by `stop_all`.
+
+        Servers join it through ASYNCRL_CORE_SHARE in their spec's env; the trainer through
+        `pin_trainer(..., shared=...)`. Returns its path (in /dev/shm where there is one).
+        """
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self._core_share = cores_api.CoreShare.create(
+            os.path.join(folder, f"asyncrl-cores-{os.getpid()}-{secrets.token_hex(4)}"))
+        return self._core_share
+
+    def pin_trainer(self, cores: list[int] | None = None, *,
+                    shared: list[int] | None = None) -> int:
         """Pin this process to the trainer's cores until `stop_all`; returns its thread count.
 
         `cores`: those cores (default: what `launch_inference_servers` left the trainer).
+        `shared`: with a core share open, the cores this process may run on; it joins the
+        share with `cores` as its home and borrows what idle servers lend.
         """
         import torch
 
@@ -201,8 +222,11 @@ class LocalScheduler:
             self.trainer_cores = list(cores)
         if self.trainer_cores:
             self._unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
-            os.sched_setaffinity(0, self.trainer_cores)
+            os.sched_setaffinity(0, shared if shared and self._core_share else self.trainer_cores)
             torch.set_num_threads(len(self.trainer_cores))
+            if shared and self._core_share:
+                cores_api.join(cores_api.CoreShare(self._core_share, cores_api.TRAINER_SLOT,
+                                                   len(self.trainer_cores)))
         return torch.get_num_threads()
 
     def check_alive(self) -> None:
@@ -231,7 +255,8 @@ class LocalScheduler:
         full_env.update(env)
         full_env.update(spec.environment(values))
         log_path = self.log_dir / f"{spec.role}-{index}.log"
-        proc = process.spawn(spec.argv(index, values), full_env, log_path, cores)
+        proc = process.spawn(spec.argv(index, values), full_env, log_path,
+                             spec.affinity or cores)
         logger.info("%s %d: pid %d on cores %s, port %d, log %s",
                     spec.role, index, proc.pid, cores, port, log_path)
         host = socket.gethostname()
@@ -268,6 +293,13 @@ class LocalScheduler:
         """Give the process its cores back (a later run in this process splits them anew)."""
         import torch
 
+        share = cores_api.join(None)
+        if share is not None:
+            share.close()
+        if self._core_share is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._core_share)
+            self._core_share = None
         if self._unpinned is not None:
             cores, threads = self._unpinned
             os.sched_setaffinity(0, cores)

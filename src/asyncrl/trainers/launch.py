@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from asyncrl.api import Trainer
+from asyncrl.api.cores import ENV as CORE_SHARE_ENV
 from asyncrl.config import ExperimentConfig
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.scheduler.base import Scheduler, WorkerSpec
@@ -175,6 +176,13 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
             servers.gpu_ids = [[world + i] for i in range(n_servers)]
     if inference_key is not None and cfg.rollout.backend == "local":
         servers.env["ASYNCRL_API_KEY"] = inference_key
+    shared = None  # the cores trainer and servers lend each other (scheduler.share_cores)
+    if (local and device == "cpu" and not service and cfg.rollout.backend == "local"
+            and cfg.scheduler.share_cores):
+        shared = sorted(os.sched_getaffinity(0))
+        servers.affinity = shared
+        assert isinstance(scheduler, LocalScheduler)
+        servers.env[CORE_SHARE_ENV] = f"{scheduler.open_core_share()},{{index}}"
     addresses = [w.address for w in scheduler.create_workers(servers)]
     router = None
     if in_service(cfg, cfg.scheduler.router):
@@ -192,8 +200,9 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         logger.info("agent service: %s", worker.address)
     if not service:
         if local:
-            threads = scheduler.pin_trainer(trainer_cores)
-            logger.info("trainer: inline, %d thread(s)", threads)
+            threads = scheduler.pin_trainer(trainer_cores, shared=shared)
+            logger.info("trainer: inline, %d thread(s)%s", threads,
+                        f", sharing cores {shared} on demand" if shared else "")
         return Services(addresses, None, inference_key, agent, router)
     key = secrets.token_hex(16)
     spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)

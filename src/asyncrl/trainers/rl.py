@@ -19,6 +19,7 @@ from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
+from asyncrl.observe.timeline import Timeline, plot_timeline
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler.base import Scheduler, SchedulerError, log_tail, make_scheduler
 from asyncrl.services.agent import AgentClient
@@ -35,6 +36,8 @@ from asyncrl.weights import make_publisher, transfer_backend
 from asyncrl.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
+# The step's sections drawn on the trainer's lane of timeline.png.
+STEP_KINDS = {"wait_batch_s": "wait", "train_s": "train", "publish_s": "publish"}
 ROLES = ("inference", "router", "trainer", "weight_update", "agent")  # the processes an RL run's scheduler starts
 
 
@@ -85,6 +88,7 @@ class RLTrainer:
         self._failed_checks: dict[int, int] = {}  # server -> health checks failed in a row
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.routed = router is not None  # a router service routes for every client
+        self.timeline = Timeline(paths.root / "timeline.jsonl")
         if router is not None:
             self.engine: Any = RouterClient(
                 router, api_key=inference_key, request_timeout=cfg.rollout.request_timeout,
@@ -96,6 +100,7 @@ class RLTrainer:
                 request_retries=cfg.rollout.request_retries,
                 update_weights_timeout=cfg.rollout.update_weights_timeout,
                 health_check_interval=cfg.rollout.health_check_interval, api_key=inference_key)
+            self.engine.timeline = self.timeline  # the servers' lanes, as routed from here
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
             self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,
@@ -179,7 +184,7 @@ class RLTrainer:
         self.rollout.resume()
         bar = ProgressBar(self.total_steps, initial=step, enabled=self.cfg.stats_logger.progress_bar)
         while step < self.total_steps:
-            timer = StepTimer()
+            timer = StepTimer(self.timeline, kinds=STEP_KINDS)
             with timer("wait_batch_s"):
                 batch, stats = self.rollout.next_batch()
             with timer("train_s"):
@@ -252,14 +257,18 @@ class RLTrainer:
             self._evaluate(step, f"eval_step{step}")
 
     def _evaluate(self, step: int, name: str) -> None:
-        stats, trajectories = self.rollout.run_coroutine(evaluate(
-            self.engine, self.eval_workflow, self.valid_items,
-            concurrency=self.cfg.local_engine.max_batch_size))
+        with StepTimer(self.timeline, kinds={"eval": "eval"})("eval"):
+            stats, trajectories = self._run_evaluation()
         self.stats.log(step, stats, kind="eval")
         write_samples(self.paths.root / "eval" / f"step{step}.jsonl", trajectories)
         self.summary[name] = stats["eval/reward"]
         logger.info("%s: held-out reward %.4f over %d items (step %d)",
                        name, stats["eval/reward"], int(stats["eval/n"]), step)
+
+    def _run_evaluation(self) -> tuple[dict[str, float], list]:
+        return self.rollout.run_coroutine(evaluate(
+            self.engine, self.eval_workflow, self.valid_items,
+            concurrency=self.cfg.local_engine.max_batch_size))
 
     def _restore(self) -> int:
         mode = self.cfg.recover.mode
@@ -278,6 +287,10 @@ class RLTrainer:
                                     self.paths.root / "reward_curve.png",
                                     title=f"{self.cfg.experiment_name}/{self.cfg.trial_name}")
             self.summary["reward_curve"] = str(png)
+            if self.timeline.path.exists():
+                png = plot_timeline(self.timeline.path, self.paths.root / "timeline.png",
+                                    title=f"{self.cfg.experiment_name}/{self.cfg.trial_name}")
+                self.summary["timeline"] = str(png)
         self.summary["stats"] = str(self.paths.root / "stats.jsonl")
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
+from asyncrl.api import cores
 from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
@@ -143,6 +144,27 @@ def _place(chosen: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per-position values back to [B, T]: 0 where not chosen and at position 0."""
     flat = torch.zeros(chosen.shape, dtype=torch.float32, device=values.device)
     return nn.functional.pad(flat.masked_scatter(chosen, values), (1, 0))
+
+
+def _follow_core_share(layers: nn.ModuleList) -> None:
+    """Re-read this process's share of the cores (`api/cores.py`) before every decoder
+    layer's forward and before its backward (a hook on its output's gradient), so that
+    cores an idle server lends are taken up, and given back, within one layer."""
+
+    def before_backward(grad: torch.Tensor) -> None:
+        cores.adjust()
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        cores.adjust()
+
+    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(before_backward)
+
+    for layer in layers:
+        layer.register_forward_pre_hook(before_forward)
+        layer.register_forward_hook(after_forward)
 
 
 def _check_no_dropout(config: Any) -> None:
@@ -258,6 +280,8 @@ class FSDPTrainEngine:
         if self.spec.shared_prefix:
             _check_packable(self.model)
         self._shard(self.model)
+        if cores.current() is not None:
+            _follow_core_share(self.model.hf.get_decoder().layers)
         self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, self.spec.optimizer, self.total_steps)
 
@@ -333,6 +357,10 @@ class FSDPTrainEngine:
     @torch.no_grad()
     def _forward_all(self, batch: TensorBatch) -> torch.Tensor:
         """The root's per-token output [B, T] on every real token after the first (fp32, CPU)."""
+        with cores.busy():
+            return self._forward_all_busy(batch)
+
+    def _forward_all_busy(self, batch: TensorBatch) -> torch.Tensor:
         model = self._require_model()
         model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
@@ -352,6 +380,10 @@ class FSDPTrainEngine:
         log-probs for a policy (the vocabulary projection is skipped on prompt tokens),
         values for a critic (`FSDPValueEngine`).
         """
+        with cores.busy():
+            return self._train_batch(batch, loss_fn)
+
+    def _train_batch(self, batch: TensorBatch, loss_fn: LossFn) -> dict[str, float]:
         model = self._require_model()
         model.train()  # HF runs activation checkpointing in train mode only
         n_tokens = int((batch.loss_mask > 0).sum())
@@ -370,6 +402,7 @@ class FSDPTrainEngine:
             if real:
                 mb_stats.append(stats)
                 loss_sum += float(loss.detach())
+        cores.adjust()
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         # A non-finite gradient would turn every weight into NaN: skip that update.
