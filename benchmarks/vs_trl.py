@@ -107,8 +107,10 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Run `argv` to the end (output to `log`); (seconds, peak bytes of its process tree)."""
+def run_measured(argv: list[str], log: Path,
+                 env: dict[str, str] | None = None) -> tuple[float, float, int]:
+    """Run `argv` to the end (output to `log`); (start time, seconds, peak bytes of its
+    process tree)."""
     peak = 0
     start = time.time()
     with open(log, "w") as out:
@@ -127,7 +129,7 @@ def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None) 
         sampler.join()
     if code:
         raise SystemExit(f"{argv[0]} ... failed with exit code {code}; see {log}")
-    return time.time() - start, peak
+    return start, time.time() - start, peak
 
 
 def ensure_trl_venv(venv: Path) -> Path:
@@ -222,7 +224,7 @@ def main() -> None:
                    "reward_file": str(REPO / "src" / "asyncrl" / "rewards" / "rgym.py")}
         (out / "trl_config.json").write_text(json.dumps(trl_cfg))
         (out / "trl_run.py").write_text(TRL_SCRIPT)
-        seconds, peak = run_measured([str(python), str(out / "trl_run.py"),
+        _, seconds, peak = run_measured([str(python), str(out / "trl_run.py"),
                                       str(out / "trl_config.json")], out / "trl.log",
                                      env=dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count())))
         rows = [(r["step"], r["time"], r["reward"]) for r in map(json.loads, log.open())]
@@ -230,14 +232,13 @@ def main() -> None:
                                       "model": str(out / "trl" / "final")}
 
     run_root = out / "asyncrl"
-    seconds, peak = run_measured(
+    t0, seconds, peak = run_measured(
         [sys.executable, "-m", "asyncrl.cli", "quickstart", f"total_train_steps={args.steps}",
          f"cluster.fileroot={run_root}", "stats_logger.progress_bar=false",
          "evaluator.before_training=false", "evaluator.after_training=false",
          f"saver.freq_steps={args.steps}"], out / "asyncrl.log")
     run_dir = run_root / cfg.experiment_name / cfg.trial_name
     stats = [json.loads(line) for line in (run_dir / "stats.jsonl").open()]
-    t0 = time.time() - seconds  # the command's start, as for TRL (its clock starts in-process)
     rows = [(s["step"], s["time"] - t0, s["rollout/reward"]) for s in stats
             if s.get("kind") == "train"]
     results["asyncrl"] = {"seconds": seconds, "peak": peak, "rows": rows,

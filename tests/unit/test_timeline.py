@@ -30,6 +30,8 @@ def test_step_sections_and_a_torn_line_become_spans(tmp_path):
         pass
     with timer("other_s"):  # not drawn
         pass
+    with timeline.span("trainer", "eval"):
+        pass
     timeline.begin("server 0", "generate")
     timeline.begin("server 0", "generate")  # already open: ignored
     timeline.end("server 0", "generate")
@@ -37,8 +39,8 @@ def test_step_sections_and_a_torn_line_become_spans(tmp_path):
     with open(timeline.path, "a") as f:
         f.write('{"lane": "trai')  # a run killed mid-write
     spans = read_timeline(timeline.path)
-    assert [(s["lane"], s["kind"]) for s in spans] == [("trainer", "train"),
-                                                      ("server 0", "generate")]
+    assert [(s["lane"], s["kind"]) for s in spans] == [
+        ("trainer", "train"), ("trainer", "eval"), ("server 0", "generate")]
     assert all(s["t1"] >= s["t0"] for s in spans) and set(timer.seconds) == {"train_s", "other_s"}
     png = plot_timeline(timeline.path, tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

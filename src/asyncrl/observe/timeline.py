@@ -11,9 +11,11 @@ asynchrony buys, and where a core idles, can be seen step by step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,15 @@ class Timeline:
             t0 = self._open.pop((lane, kind), None)
             if t0 is not None:
                 self._write(lane, kind, t0, time.time())
+
+    @contextlib.contextmanager
+    def span(self, lane: str, kind: str) -> Iterator[None]:
+        """The block as one span of `lane`."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.add(lane, kind, t0, time.time())
 
     def add(self, lane: str, kind: str, t0: float, t1: float) -> None:
         """A span measured elsewhere (wall-clock seconds)."""

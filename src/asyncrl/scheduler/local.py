@@ -221,10 +221,11 @@ class LocalScheduler:
         if cores is not None:
             self.trainer_cores = list(cores)
         if self.trainer_cores:
+            sharing = bool(shared and self._core_share)
             self._unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
-            os.sched_setaffinity(0, shared if shared and self._core_share else self.trainer_cores)
+            os.sched_setaffinity(0, shared if sharing else self.trainer_cores)
             torch.set_num_threads(len(self.trainer_cores))
-            if shared and self._core_share:
+            if sharing:
                 cores_api.join(cores_api.CoreShare(self._core_share, cores_api.TRAINER_SLOT,
                                                    len(self.trainer_cores)))
         return torch.get_num_threads()

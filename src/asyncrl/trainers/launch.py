@@ -177,11 +177,10 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     if inference_key is not None and cfg.rollout.backend == "local":
         servers.env["ASYNCRL_API_KEY"] = inference_key
     shared = None  # the cores trainer and servers lend each other (scheduler.share_cores)
-    if (local and device == "cpu" and not service and cfg.rollout.backend == "local"
-            and cfg.scheduler.share_cores):
+    if (isinstance(scheduler, LocalScheduler) and device == "cpu" and not service
+            and cfg.rollout.backend == "local" and cfg.scheduler.share_cores):
         shared = sorted(os.sched_getaffinity(0))
         servers.affinity = shared
-        assert isinstance(scheduler, LocalScheduler)
         servers.env[CORE_SHARE_ENV] = f"{scheduler.open_core_share()},{{index}}"
     addresses = [w.address for w in scheduler.create_workers(servers)]
     router = None

@@ -257,18 +257,15 @@ class RLTrainer:
             self._evaluate(step, f"eval_step{step}")
 
     def _evaluate(self, step: int, name: str) -> None:
-        with StepTimer(self.timeline, kinds={"eval": "eval"})("eval"):
-            stats, trajectories = self._run_evaluation()
+        with self.timeline.span("trainer", "eval"):
+            stats, trajectories = self.rollout.run_coroutine(evaluate(
+                self.engine, self.eval_workflow, self.valid_items,
+                concurrency=self.cfg.local_engine.max_batch_size))
         self.stats.log(step, stats, kind="eval")
         write_samples(self.paths.root / "eval" / f"step{step}.jsonl", trajectories)
         self.summary[name] = stats["eval/reward"]
         logger.info("%s: held-out reward %.4f over %d items (step %d)",
                        name, stats["eval/reward"], int(stats["eval/n"]), step)
-
-    def _run_evaluation(self) -> tuple[dict[str, float], list]:
-        return self.rollout.run_coroutine(evaluate(
-            self.engine, self.eval_workflow, self.valid_items,
-            concurrency=self.cfg.local_engine.max_batch_size))
 
     def _restore(self) -> int:
         mode = self.cfg.recover.mode

@@ -355,12 +355,9 @@ class FSDPTrainEngine:
         return self._forward_all(batch)
 
     @torch.no_grad()
+    @cores.busy()
     def _forward_all(self, batch: TensorBatch) -> torch.Tensor:
         """The root's per-token output [B, T] on every real token after the first (fp32, CPU)."""
-        with cores.busy():
-            return self._forward_all_busy(batch)
-
-    def _forward_all_busy(self, batch: TensorBatch) -> torch.Tensor:
         model = self._require_model()
         model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
@@ -373,6 +370,7 @@ class FSDPTrainEngine:
             dist.all_reduce(out)  # each row is non-zero on exactly one rank
         return out.cpu()
 
+    @cores.busy()  # this process's share of the cores (api/cores.py), if it has one
     def train_batch(self, batch: TensorBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimiser step on `batch`.
 
@@ -380,10 +378,6 @@ class FSDPTrainEngine:
         log-probs for a policy (the vocabulary projection is skipped on prompt tokens),
         values for a critic (`FSDPValueEngine`).
         """
-        with cores.busy():
-            return self._train_batch(batch, loss_fn)
-
-    def _train_batch(self, batch: TensorBatch, loss_fn: LossFn) -> dict[str, float]:
         model = self._require_model()
         model.train()  # HF runs activation checkpointing in train mode only
         n_tokens = int((batch.loss_mask > 0).sum())
