@@ -9,6 +9,7 @@ from procs import server_pids
 from asyncrl.config import load_config
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
+from asyncrl.observe.timeline import read_timeline
 from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
@@ -54,6 +55,14 @@ def test_two_async_steps_end_to_end(tmp_path, tiny_model):
     assert len(samples) == eval_rows[-1]["eval/n"] and {"question", "completion"} <= set(samples[0])
     assert (run / "weights" / "v2").is_dir()  # the last published version
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
+    # The first evaluation runs while the first batch is gathered, and ends before the
+    # first publish changes the weights it reads.
+    spans = read_timeline(run / "timeline.jsonl")
+    evals = [s for s in spans if s["lane"] == "evaluator"]
+    first_wait, first_publish = (next(s for s in spans if s["lane"] == "trainer"
+                                      and s["kind"] == kind) for kind in ("wait", "publish"))
+    assert len(evals) == 2
+    assert first_wait["t0"] < evals[0]["t1"] <= first_publish["t0"]
     assert not server_pids(tiny_model), "an inference server outlived its run"
 
 

@@ -453,3 +453,22 @@ def test_threaded_update_does_not_wait_for_generation_in_flight(tiny, tiny_v1):
     first_new = versions.index(1)
     assert 0 < first_new and versions == [0] * first_new + [1] * (len(versions) - first_new)
     assert result["resp"].stop_reason == StopReason.LENGTH
+
+
+def test_huge_zeros_reads_zero_writes_through_and_outlives_its_first_view():
+    import gc
+
+    from asyncrl.engine.cpu import huge_zeros
+
+    shape = (3, 4, 5, 1 << 16)  # 7.5 MB of bf16: on 2 MB pages
+    cache = huge_zeros(shape, torch.bfloat16)
+    assert cache.shape == shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert cache.data_ptr() % (2 << 20) == 0
+    assert torch.count_nonzero(cache) == 0
+    cache[1, 2].fill_(1.5)
+    layer = cache[1]
+    del cache
+    gc.collect()  # the memory map lives as long as any view of it
+    assert layer[2].float().mean() == 1.5 and torch.count_nonzero(layer) == 5 * (1 << 16)
+    small = huge_zeros((4, 8), torch.float32)  # under a page: plain torch.zeros
+    assert torch.equal(small, torch.zeros(4, 8))

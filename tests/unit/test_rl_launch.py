@@ -85,8 +85,12 @@ def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path,
             super().__init__(SchedulerConfig(), tmp_path)
             self.specs, self.pinned = [], None
 
-        def create_workers(self, spec):
+        def create_workers(self, spec, wait=True):
+            self.waited = wait
             return RecordingScheduler.create_workers(self, spec)
+
+        def wait_workers(self, role):
+            self.waited = role
 
         def pin_trainer(self, cores=None, *, shared=None):
             self.pinned = (cores, shared)
@@ -98,7 +102,7 @@ def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path,
         cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
                                  "train_dataset.path=unused.jsonl", *overrides])
         scheduler = Recording()
-        launch(cfg, RunPaths.from_config(cfg), scheduler)
+        scheduler.services = launch(cfg, RunPaths.from_config(cfg), scheduler)
         return scheduler
 
     shared = run()
@@ -106,6 +110,10 @@ def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path,
     assert servers.affinity == machine and shared.pinned[1] == machine
     path, slot = servers.env[cores.ENV].split(",")
     assert slot == "{index}" and os.path.exists(path)  # one slot per server, filled per worker
+    # The inline trainer loads while the servers start; `ready` waits for them.
+    assert shared.waited is False
+    shared.services.ready()
+    assert shared.waited == "inference"
     shared.stop_all()
     assert not os.path.exists(path)  # removed with the run
     for off in (["scheduler.share_cores=false"], ["rollout.backend=vllm"]):

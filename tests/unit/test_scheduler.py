@@ -216,6 +216,24 @@ def test_a_worker_that_exits_during_start_up_is_an_error_with_its_log(local):
     assert local.get_workers("inference") == []
 
 
+def test_workers_started_without_waiting_are_waited_for_later(local, tmp_path):
+    import sys
+
+    from asyncrl.scheduler import WorkerSpec, read_registry
+
+    workers = local.create_workers(WorkerSpec("agent", 1, health_server(), cpus=0), wait=False)
+    assert not (tmp_path / "services.json").exists()  # registered once healthy
+    local.wait_workers("agent")
+    assert local.check_health("agent") == [True]
+    assert read_registry(tmp_path)["workers"] == workers
+    # A worker that dies while the caller does its own loading fails the wait, with its log.
+    crash = [sys.executable, "-c", "import sys; print('no model at {port}'); sys.exit(3)"]
+    local.create_workers(WorkerSpec("inference", 1, crash, cpus=0), wait=False)
+    with pytest.raises(SchedulerError, match=r"exited with code 3 during start-up(.|\n)*no model"):
+        local.wait_workers("inference")
+    assert local.get_workers("inference") == []
+
+
 def test_launch_inference_servers_pins_cpu_servers_and_gives_gpu_servers_their_device(tmp_path):
     import os
     from types import SimpleNamespace

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from asyncrl.engine.cpu import DecodeKernels, PackedMatrix, can_pack, huge_empty
+from asyncrl.engine.cpu import DecodeKernels, PackedMatrix, can_pack, huge_empty, huge_zeros
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -585,8 +585,7 @@ class Transformer:
         c = self.cfg
         shape = (c.num_layers, max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim)
         if self.device.type == "cpu":
-            return KVCache(huge_empty(shape, self.dtype).zero_(),
-                           huge_empty(shape, self.dtype).zero_())
+            return KVCache(huge_zeros(shape, self.dtype), huge_zeros(shape, self.dtype))
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 

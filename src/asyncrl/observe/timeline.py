@@ -4,7 +4,8 @@
 {"lane": "trainer" | "server 0" | ..., "kind": "train" | "generate" | ..., "t0", "t1"}
 (wall-clock seconds). The trainer's lane comes from the step's sections; a server's
 lane from the client that routes to it: "generate" while it has requests in flight,
-"load weights" while it pauses, loads and resumes. `plot_timeline` draws it as
+"load weights" while it pauses, loads and resumes; the evaluator's lane holds each
+held-out evaluation (the first one runs beside the first step). `plot_timeline` draws it as
 <run>/timeline.png, one row per lane, with each lane's busy share, so the overlap that
 asynchrony buys, and where a core idles, can be seen step by step.
 """

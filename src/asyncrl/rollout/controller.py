@@ -23,6 +23,7 @@ gives every sample the same score would otherwise leave the trainer waiting sile
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -122,7 +123,13 @@ class RolloutController:
         """Run `coro` on the rollout loop (shares its HTTP sessions) and wait for the result."""
         if self._loop is None:
             raise RuntimeError("rollout controller is not started")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self.submit_coroutine(coro).result(timeout)
+
+    def submit_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Start `coro` on the rollout loop; its future, to wait on later."""
+        if self._loop is None:
+            raise RuntimeError("rollout controller is not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def set_version(self, version: int) -> None:
         """The servers now hold weights `version`: more episodes may start."""

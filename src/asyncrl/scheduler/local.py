@@ -101,8 +101,12 @@ class LocalScheduler:
 
     # -- the Scheduler protocol ------------------------------------------------------------
 
-    def create_workers(self, spec: WorkerSpec) -> list[Worker]:
-        """Start `spec.count` subprocesses; return them once all are healthy."""
+    def create_workers(self, spec: WorkerSpec, *, wait: bool = True) -> list[Worker]:
+        """Start `spec.count` subprocesses; return them once all are healthy.
+
+        `wait=False`: return them at once; `wait_workers(role)` waits for them later (so
+        the caller loads its own part meanwhile).
+        """
         if spec.role in self.procs:
             raise SchedulerError(f"role {spec.role!r} already has workers; delete them first")
         cores = spec.cores or [self._take_cores(spec.cpus) for _ in range(spec.count)]
@@ -120,12 +124,21 @@ class LocalScheduler:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[i]))
                 self.procs[spec.role].append(self._spawn(spec, i, cores[i], env,
                                                            spec.pick_port(HOST)))
-            self._wait_healthy(self.procs[spec.role])
         except BaseException:
             self.delete_workers(spec.role)
             raise
-        self._write_registry()
+        if wait:
+            self.wait_workers(spec.role)
         return self.get_workers(spec.role)
+
+    def wait_workers(self, role: str) -> None:
+        """Return once every worker of `role` is healthy; a failed start stops them all."""
+        try:
+            self._wait_healthy(self.procs[role])
+        except BaseException:
+            self.delete_workers(role)
+            raise
+        self._write_registry()
 
     def get_workers(self, role: str) -> list[Worker]:
         return [p.worker for p in self.procs.get(role, [])]

@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncrl.api import Trainer
@@ -43,6 +44,10 @@ from asyncrl.trainers.paths import RunPaths
 logger = logging.getLogger(__name__)
 
 
+def _ready() -> None:
+    """The servers are healthy already."""
+
+
 @dataclass
 class Services:
     inference: list[str]  # the servers' addresses
@@ -51,6 +56,8 @@ class Services:
     agent: AgentClient | None = None  # the agent service's client; None: the proxy is inline
     router: str | None = None  # the router's address; None: clients route to `inference`
     weight_update: WeightUpdateClient | None = None  # None: the controller publishes
+    # Waits until the inference servers are healthy (launch may return before they are).
+    ready: Callable[[], None] = _ready
 
 
 # The router, weight-update and agent services are light (HTTP, tokenising): they reserve no
@@ -182,7 +189,15 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         shared = sorted(os.sched_getaffinity(0))
         servers.affinity = shared
         servers.env[CORE_SHARE_ENV] = f"{scheduler.open_core_share()},{{index}}"
-    addresses = [w.address for w in scheduler.create_workers(servers)]
+    # Alone with an inline trainer, the local servers start while the trainer loads.
+    defer = (local and not service and not in_service(cfg, cfg.scheduler.router)
+             and not (cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent)))
+    if defer:
+        assert isinstance(scheduler, LocalScheduler)
+        workers = scheduler.create_workers(servers, wait=False)
+    else:
+        workers = scheduler.create_workers(servers)
+    addresses = [w.address for w in workers]
     router = None
     if in_service(cfg, cfg.scheduler.router):
         [worker] = scheduler.create_workers(router_spec(
@@ -202,7 +217,8 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
             threads = scheduler.pin_trainer(trainer_cores, shared=shared)
             logger.info("trainer: inline, %d thread(s)%s", threads,
                         f", sharing cores {shared} on demand" if shared else "")
-        return Services(addresses, None, inference_key, agent, router)
+        ready = (lambda: scheduler.wait_workers(servers.role)) if defer else _ready
+        return Services(addresses, None, inference_key, agent, router, ready=ready)
     key = secrets.token_hex(16)
     spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)
     if local:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from asyncrl.api import Batch, Trainer
+from asyncrl.api import Batch, Trainer, Trajectory
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
@@ -53,6 +54,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
                             scheduler=scheduler, inference_key=services.inference_key,
                             agent_service=services.agent, router=services.router,
                             weight_update=services.weight_update)
+        services.ready()  # the local servers started while the trainer loaded
         trainer.summary["services"] = [
             {"role": w.role, "index": w.index, "address": w.address, "node_id": w.node_id}
             for role in ROLES for w in scheduler.get_workers(role)]
@@ -179,9 +181,15 @@ class RLTrainer:
         if step > 0:  # the servers start from the base model: give them the resumed weights
             self.publisher.publish(self.trainer, version=step)
             self._announce_version(step)
-        elif self.cfg.evaluator.before_training and self.valid_items:
-            self._evaluate(step, "eval_before")
         self.rollout.resume()
+        # The first evaluation runs beside the first batch's rollout and training step (both
+        # read the initial weights), leaving the batch's samples their slots on the server;
+        # the first publish waits for it.
+        pending_eval = None
+        if step == 0 and self.cfg.evaluator.before_training and self.valid_items:
+            batch_samples = self.cfg.rollout.consumer_batch_size * self.cfg.gconfig.n_samples
+            pending_eval = self._start_evaluate(step, "eval_before", concurrency=max(
+                1, self.cfg.local_engine.max_batch_size - batch_samples))
         bar = ProgressBar(self.total_steps, initial=step, enabled=self.cfg.stats_logger.progress_bar)
         while step < self.total_steps:
             timer = StepTimer(self.timeline, kinds=STEP_KINDS)
@@ -189,6 +197,9 @@ class RLTrainer:
                 batch, stats = self.rollout.next_batch()
             with timer("train_s"):
                 stats |= self._train_step(batch)
+            if pending_eval is not None:
+                pending_eval()
+                pending_eval = None
             with timer("publish_s"):
                 stats |= self.publisher.publish(self.trainer, version=step + 1)
             self._announce_version(step + 1)
@@ -203,6 +214,8 @@ class RLTrainer:
             bar.update(stats)
             self._periodic(step)
         bar.close()
+        if pending_eval is not None:  # no step ran (total_train_steps reached already)
+            pending_eval()
         self.rollout.pause()
         if self.cfg.evaluator.after_training and self.valid_items:
             self._evaluate(step, "eval_after")
@@ -257,10 +270,23 @@ class RLTrainer:
             self._evaluate(step, f"eval_step{step}")
 
     def _evaluate(self, step: int, name: str) -> None:
-        with self.timeline.span("trainer", "eval"):
-            stats, trajectories = self.rollout.run_coroutine(evaluate(
-                self.engine, self.eval_workflow, self.valid_items,
-                concurrency=self.cfg.local_engine.max_batch_size))
+        self._start_evaluate(step, name)()
+
+    def _start_evaluate(self, step: int, name: str,
+                        concurrency: int | None = None) -> Callable[[], None]:
+        """Start evaluating on the rollout loop; the returned call waits and logs it.
+        `concurrency`: items in flight (default: a server's batch, local_engine's)."""
+        async def timed() -> tuple[dict[str, float], list[Trajectory]]:
+            with self.timeline.span("evaluator", "eval"):
+                return await evaluate(
+                    self.engine, self.eval_workflow, self.valid_items,
+                    concurrency=concurrency or self.cfg.local_engine.max_batch_size)
+
+        future = self.rollout.submit_coroutine(timed())
+        return lambda: self._log_evaluation(step, name, *future.result())
+
+    def _log_evaluation(self, step: int, name: str, stats: dict[str, float],
+                        trajectories: list[Trajectory]) -> None:
         self.stats.log(step, stats, kind="eval")
         write_samples(self.paths.root / "eval" / f"step{step}.jsonl", trajectories)
         self.summary[name] = stats["eval/reward"]
