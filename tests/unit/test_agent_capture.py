@@ -34,7 +34,7 @@ def test_a_branching_conversation_gives_one_trajectory_per_leaf():
     # d extends b: [1,2,3,9,4,7] -> [6]. Leaves: c and d.
     cs = [comp("a", [1, 2], [3]), comp("b", [1, 2, 3, 9], [4]), comp("c", [1, 2, 3, 8], [5]),
           comp("d", [1, 2, 3, 9, 4, 7], [6], reward=1.0)]
-    assert parents(cs) == ([None, 0, 0, 1], [False, False, False, False])
+    assert parents(cs) == ([None, 0, 0, 1], [None] * 4)  # nothing drifted
     out = export(cs, style="tree", discount=1.0, group_id="g")
     assert (out.merged, out.drift) == (3, 0)
     c_traj, d_traj = out.trajectories
@@ -56,10 +56,23 @@ def test_n_choices_of_one_prompt_are_sibling_roots_not_drift():
 
 def test_a_rewritten_history_is_drift_and_exported_alone():
     cs = [comp("a", [1, 2], [3]), comp("b", [1, 2, 30, 7], [4], reward=1.0)]
+    assert parents(cs) == ([None, None], [None, 0])  # b continues a's conversation
     out = export(cs, style="tree", discount=0.9, group_id="g")
     assert (len(out.trajectories), out.merged, out.drift) == (2, 0, 1)
-    assert [t.reward for t in out.trajectories] == [pytest.approx(0.9), 1.0]
+    # Both pieces carry what the conversation earned from its first turn: 0.9 * 1.0.
+    assert [t.reward for t in out.trajectories] == [pytest.approx(0.9)] * 2
     assert [t.meta["drift"] for t in out.trajectories] == [False, True]
+
+
+def test_turns_after_a_drift_merge_and_earn_the_conversations_return():
+    # a; b continues a but re-renders its output (drift); c extends b token for token.
+    cs = [comp("a", [1, 2], [3]), comp("b", [1, 2, 30, 7], [4]),
+          comp("c", [1, 2, 30, 7, 4, 8], [5], reward=1.0)]
+    out = export(cs, style="tree", discount=0.5, group_id="g")
+    assert (len(out.trajectories), out.merged, out.drift) == (2, 1, 1)
+    # G = [0.25, 0.5, 1.0]: the piece [b, c] gets G_0 like [a], not G_1.
+    assert [t.reward for t in out.trajectories] == [0.25, 0.25]
+    assert [t.meta["turns"] for t in out.trajectories] == [[0], [1, 2]]
 
 
 def test_individual_style_keeps_every_completion():

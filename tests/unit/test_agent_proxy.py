@@ -143,8 +143,8 @@ def test_history_that_does_not_extend_falls_back_and_is_counted(tokenizer):
     session = run(main())
     out = export(session.completions, style="tree", discount=0.5, group_id="g")
     assert (len(out.trajectories), out.merged, out.drift) == (2, 0, 1)
-    # Rewards: r = [unset, 0.5]; G = [0 + 0.5 * 0.5, 0.5].
-    assert [t.reward for t in out.trajectories] == [0.25, 0.5]
+    # Rewards: r = [unset, 0.5]; G = [0 + 0.5 * 0.5, 0.5]; both pieces get G_0.
+    assert [t.reward for t in out.trajectories] == [0.25, 0.25]
     assert [t.meta["drift"] for t in out.trajectories] == [False, True]
 
 

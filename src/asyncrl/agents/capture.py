@@ -21,6 +21,10 @@ are propagated backwards over the session's completions in the order they were m
 G_i = r_i + turn_discount * G_{i+1} (AReaL's semantics). A per-completion trajectory
 gets G_i; a merged leaf trajectory gets G of the first completion on its path, i.e. what
 the conversation earned from its first turn (with one final reward: discount^(turns-1) r).
+A drifted turn's trajectory gets the same G as the conversation it continues: every piece
+of one conversation carries what the conversation earned. (With its own G_i, a drifted
+last turn earned the whole undiscounted reward, more than any conversation of its group,
+and group-relative advantages taught the search agent to answer without a second search.)
 """
 
 from __future__ import annotations
@@ -89,19 +93,20 @@ def _starts_with(seq: list[int], prefix: list[int]) -> bool:
     return len(seq) >= len(prefix) and seq[: len(prefix)] == prefix
 
 
-def parents(completions: list[Completion]) -> tuple[list[int | None], list[bool]]:
-    """Each completion's parent index (None: a root) and whether it is a drifted turn."""
+def parents(completions: list[Completion]) -> tuple[list[int | None], list[int | None]]:
+    """Each completion's parent index (None: a root), and for a drifted turn the earliest
+    completion whose conversation it continues (None: not drifted)."""
     parent: list[int | None] = []
-    drift: list[bool] = []
+    continues: list[int | None] = []
     for i, c in enumerate(completions):
         extends = [j for j in range(i) if _starts_with(c.prompt_ids, completions[j].ids)]
         parent.append(max(extends, key=lambda j: (len(completions[j].ids), j))
                       if extends else None)
         # A continuation of an earlier turn's prompt that does not contain what was sampled.
-        drift.append(not extends and any(
-            len(c.prompt_ids) > len(completions[j].prompt_ids)
-            and _starts_with(c.prompt_ids, completions[j].prompt_ids) for j in range(i)))
-    return parent, drift
+        earlier = [j for j in range(i) if len(c.prompt_ids) > len(completions[j].prompt_ids)
+                   and _starts_with(c.prompt_ids, completions[j].prompt_ids)]
+        continues.append(earlier[0] if earlier and not extends else None)
+    return parent, continues
 
 
 def export(completions: list[Completion], *, style: ExportStyle, discount: float,
@@ -113,9 +118,22 @@ def export(completions: list[Completion], *, style: ExportStyle, discount: float
     g = returns([c.reward for c in completions], discount)
     if style == "individual" or not completions:
         return Export([_single(c, g[i], group_id, meta, turn=i) for i, c in enumerate(completions)])
-    parent, drift = parents(completions)
+    parent, continues = parents(completions)
     has_child = {p for p in parent if p is not None}
-    out = Export([], merged=sum(p is not None for p in parent), drift=sum(drift))
+    out = Export([], merged=sum(p is not None for p in parent),
+                 drift=sum(j is not None for j in continues))
+
+    def root(i: int) -> int:
+        while parent[i] is not None:
+            i = parent[i]
+        return i
+
+    def start(i: int) -> int:
+        """The first turn of the conversation a path's root belongs to."""
+        while continues[i] is not None:
+            i = root(continues[i])
+        return i
+
     for i, c in enumerate(completions):
         if i in has_child:
             continue
@@ -123,10 +141,12 @@ def export(completions: list[Completion], *, style: ExportStyle, discount: float
         while parent[path[-1]] is not None:
             path.append(parent[path[-1]])
         path.reverse()
+        reward = g[start(path[0])]
         if len(path) == 1:
-            out.trajectories.append(_single(c, g[i], group_id, meta, turn=i, drift=drift[i]))
+            out.trajectories.append(_single(c, reward, group_id, meta, turn=i,
+                                            drift=continues[i] is not None))
         else:
-            out.trajectories.append(_merged([completions[j] for j in path], g[path[0]],
+            out.trajectories.append(_merged([completions[j] for j in path], reward,
                                             group_id, meta, turns=path))
     return out
 
