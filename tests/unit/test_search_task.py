@@ -14,7 +14,7 @@ from asyncrl.agents.search import (
     score_answer,
     search_items,
 )
-from asyncrl.services.tool_calls import hermes_messages, parse_tool_calls
+from asyncrl.services.tool_calls import hermes_messages
 
 # n_entities=200 people -> 40 towns, 8 provinces, 100 inventions, 100 firms:
 # 200 birth + 40 location + 100 invention + 100 founding docs.
@@ -234,19 +234,29 @@ def test_two_hop_warm_start_episodes_search_twice_then_answer(tmp_path):
     items = module.worked_items(8, seed=0, corpus_seed=0, n_entities=200, hops=[1, 2],
                                 two_hop_fraction=0.5)
     assert sorted(i["metadata"]["hops"] for i in items) == [1] * 4 + [2] * 4
-    corpus = make_corpus(0, 200)
-    subjects = {d["id"]: d["subject"] for d in corpus}
-    objects = {d["id"]: d["object"] for d in corpus}
+    corpus = {d["id"]: d for d in make_corpus(0, 200)}
+    # What each template asks for, written out by hand.
+    kinds = {"In which town": "town", "In which province": "province", "Who ": "person"}
     for item in items:
-        turns = module.episode(item, subjects)["messages"][-2 * item["metadata"]["hops"] - 2:]
+        turns = module.episode(item, corpus)["messages"][-2 * item["metadata"]["hops"] - 2:]
         question, *middle, answer = turns
         assert question == {"role": "user", "content": item["question"]}
-        docs = item["metadata"]["supporting_doc_ids"]
-        for (call, result), doc in zip(zip(middle[::2], middle[1::2]), docs):
+        chain = [corpus[d] for d in item["metadata"]["supporting_doc_ids"]]
+        kind = next(k for prefix, k in kinds.items() if item["question"].startswith(prefix))
+        for (call, result), doc in zip(zip(middle[::2], middle[1::2]), chain):
             # Each call searches the next entity of the chain: the question's subject, then
             # the entity the first result named; each result holds its supporting document.
-            assert f'"query": "{subjects[doc]}"' in call["content"]
-            assert objects[doc] in result["content"]
-        if item["metadata"]["hops"] == 2:
-            assert middle[2]["content"].startswith(f"Now I will search for {objects[docs[0]]}.")
-        assert answer["content"].endswith(f"<answer>{item['answer']}</answer>")
+            assert f'"query": "{doc["subject"]}"' in call["content"]
+            assert doc["object"] in result["content"]
+            # Every turn says what the question asks for.
+            assert call["content"].startswith(f"The question asks for a {kind}. ")
+        if item["metadata"]["hops"] == 2:  # the first result names another kind: search it
+            middle_kind = {"born_in": "town", "invented_by": "person",
+                           "founded_by": "person"}[chain[0]["relation"]]
+            assert middle_kind != kind
+            assert middle[2]["content"].startswith(
+                f"The question asks for a {kind}. {chain[0]['object']} is a {middle_kind}, "
+                f"so I will search for {chain[0]['object']}.")
+        assert answer["content"] == (
+            f"The question asks for a {kind}. {item['answer']} is a {kind}, so the answer is "
+            f"{item['answer']}.\n<answer>{item['answer']}</answer>")

@@ -21,7 +21,7 @@ from asyncrl.agents.search import (
 from asyncrl.agents.tools import ToolBox
 
 MAX_TURNS = 3  # up to two searches (2-hop questions), then the answer
-MAX_TOKENS = 56
+MAX_TOKENS = 80
 
 
 async def agent(base_url: str, api_key: str, item: dict) -> float:

@@ -7,10 +7,11 @@ Each row is one training-split question done right, as the agent's conversation 
 text the proxy shows the model (SmolLM2's template has no tools, so tools, calls and
 results are written in the Hermes form): the agent's own prompt (system text with the tool
 block, its two worked examples), the question, a `search` call for the question's subject,
-the tool's real result, and the tagged answer. The first turn says how many searches the
-question needs ("This needs two searches. I will search for Orla Fennick."); a two-hop
-question then gets a second turn, a call for the entity the first result names ("Now I
-will search for Brask."), as the agent's third turn allows.
+the tool's real result, and the tagged answer. Every turn opens with what the question asks
+for ("The question asks for a province. I will search for Orla Fennick."); a turn after a
+result says what the result names and decides from the two: "... Brask is a town, so I
+will search for Brask." (a two-hop question's second call, as the agent's third turn
+allows) or "... Lorvel is a province, so the answer is Lorvel." and the tagged answer.
 `asyncrl sft` learns every assistant turn (`examples/sft/search_sft_cpu.yaml`); the RL run
 then starts from it (`search_cpu.yaml actor.path=<checkpoint>`). Validation questions are
 never used.
@@ -22,7 +23,16 @@ import json
 import random
 from pathlib import Path
 
-from asyncrl.agents.search import FEW_SHOT, SYSTEM_PROMPT, SearchTool, make_corpus, search_items
+from asyncrl.agents.search import (
+    FEW_SHOT,
+    OBJECT_KIND,
+    SYSTEM_PROMPT,
+    SearchTool,
+    asks_for,
+    found,
+    make_corpus,
+    search_items,
+)
 from asyncrl.agents.tools import ToolBox
 from asyncrl.services.tool_calls import hermes_messages
 
@@ -32,24 +42,24 @@ def _call(i: int, query: str) -> dict:
             "function": {"name": "search", "arguments": json.dumps({"query": query})}}
 
 
-def episode(item: dict, subjects: dict[str, str]) -> dict:
-    """The conversation of one item done right: one search per supporting document."""
+def episode(item: dict, docs: dict[str, dict]) -> dict:
+    """The conversation of one item done right: one search per supporting document.
+
+    Every turn opens with what the question asks for; each turn after a result says what
+    kind of thing the result names and decides right there: answer, or search for it.
+    """
     toolbox = ToolBox([SearchTool.for_item(item)])
-    queries = [subjects[d] for d in item["metadata"]["supporting_doc_ids"]]
-    # The first turn says how many searches the question needs, while the question is the
-    # last thing the model read: that is where one-hop and two-hop questions part.
-    plan = "This needs one search." if len(queries) == 1 else "This needs two searches."
-    leads = [f"{plan} I will search for {queries[0]}."] + \
-        [f"Now I will search for {q}." for q in queries[1:]]
-    answer = item["answer"]
+    chain = [docs[d] for d in item["metadata"]["supporting_doc_ids"]]
+    kind = OBJECT_KIND[chain[-1]["relation"]]
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT,
                 {"role": "user", "content": item["question"]}]
-    for i, (lead, query) in enumerate(zip(leads, queries)):
-        call = _call(i, query)
+    lead = f"{asks_for(kind)} I will search for {chain[0]['subject']}."
+    for i, doc in enumerate(chain):
+        call = _call(i, doc["subject"])
         [result] = asyncio.run(toolbox.run_tool_calls([call]))
         messages += [{"role": "assistant", "content": lead, "tool_calls": [call]}, result]
-    messages.append({"role": "assistant",
-                     "content": f"The answer is {answer}.\n<answer>{answer}</answer>"})
+        lead = found(kind, doc["object"], OBJECT_KIND[doc["relation"]])
+    messages.append({"role": "assistant", "content": lead})
     return {"messages": hermes_messages(messages, toolbox.specs, None)}
 
 
@@ -83,12 +93,12 @@ def main() -> None:
     args = p.parse_args()
     items = worked_items(args.size, args.seed, args.corpus_seed, args.n_entities, args.hops,
                          args.two_hop_fraction)
-    subjects = {d["id"]: d["subject"] for d in make_corpus(args.corpus_seed, args.n_entities)}
+    docs = {d["id"]: d for d in make_corpus(args.corpus_seed, args.n_entities)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         for item in items:
-            f.write(json.dumps(episode(item, subjects)) + "\n")
+            f.write(json.dumps(episode(item, docs)) + "\n")
     print(f"{len(items)} worked episodes -> {out}")
 
 

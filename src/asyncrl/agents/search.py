@@ -247,20 +247,45 @@ SYSTEM_PROMPT = ("You do not know anything about the people, towns and things yo
                  "<answer></answer> tags.")
 
 
-def _worked_example(question: str, query: str, result: str, answer: str) -> list[dict[str, Any]]:
+# What each relation's object is: what a result gives, and what a question asks for.
+OBJECT_KIND = {"born_in": "town", "located_in": "province", "invented_by": "person",
+               "founded_by": "person"}
+
+
+def asks_for(kind: str) -> str:
+    """The sentence that opens every turn: what the question asks for."""
+    return f"The question asks for a {kind}."
+
+
+def found(kind: str, entity: str, entity_kind: str) -> str:
+    """A turn after a result: what the question asks for, what the result names, and the
+    decision right after both: answer if they are the same kind, else search the entity."""
+    if entity_kind == kind:
+        return f"{asks_for(kind)} {entity} is a {kind}, so the answer is {entity}.\n" \
+               f"<answer>{entity}</answer>"
+    return f"{asks_for(kind)} {entity} is a {entity_kind}, so I will search for {entity}."
+
+
+def _worked_example(question: str, kind: str, query: str, result: str,
+                    answer: str) -> list[dict[str, Any]]:
     """One episode done right: question, search call, its result, the copied answer."""
     call = {"id": "call_0", "type": "function",
             "function": {"name": "search", "arguments": json.dumps({"query": query})}}
     return [{"role": "user", "content": question},
-            {"role": "assistant", "content": "I will search for it.", "tool_calls": [call]},
+            {"role": "assistant", "content": f"{asks_for(kind)} I will search for {query}.",
+             "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": result},
-            {"role": "assistant", "content": f"The answer is {answer}.\n<answer>{answer}</answer>"}]
+            {"role": "assistant", "content": found(kind, answer, kind)}]
 
 
 # Names the default corpus (seed 0, 200 people) does not contain (a test checks), so an
-# example never gives away a real answer.
+# example never gives away a real answer. Every turn says what the question asks for and,
+# after a result, what kind of thing it names: whether to answer or to search again is
+# then decided by two words just written, not by the question many tokens back (RL moved
+# a decision made from the question alone for every question at once; README).
 FEW_SHOT: list[dict[str, Any]] = (
-    _worked_example("In which town was Orla Fennick born?", "Orla Fennick",
+    _worked_example("In which town was Orla Fennick born?", "town", "Orla Fennick",
                     "Orla Fennick was born in the town of Brask.", "Brask")
-    + _worked_example("Who invented the Dovel Compass?", "Dovel Compass",
-                      "The Dovel Compass was invented by Tamsin Vey.", "Tamsin Vey"))
+    + _worked_example("Who invented the Dovel Compass?", "person", "Dovel Compass",
+                      "The Dovel Compass is a device that was invented by Tamsin Vey.",
+                      "Tamsin Vey"))
