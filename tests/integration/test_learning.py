@@ -1,0 +1,54 @@
+"""RL raises the reward: a tiny model learns to repeat the letter of its prompt.
+
+A check on everything at once (rollout, rewards, advantages, the loss, the optimiser,
+weight sync): if any of them is wrong, the held-out reward does not rise. It runs in about
+a minute on two cores.
+"""
+
+from pathlib import Path
+
+import pytest
+from toy_tasks import warm_start
+
+from asyncrl.config import load_config
+from asyncrl.models.tiny import make_tiny_model
+from asyncrl.observe import read_stats
+from asyncrl.trainers.rl import train
+
+pytestmark = pytest.mark.integration
+
+SEED = 1
+STEPS = 100
+# Held-out greedy reward over 64 items, in four runs of this test (seeds 1-4): 0.25 before
+# each, after 0.59, 0.80, 0.79 and 0.59; the mean training reward of the last 10 steps
+# rose over that of the first 10 by more than MARGIN / 2 in each. Runs with one seed
+# still differ (rollout timing decides which samples each step trains on), and with 60
+# steps one run in three did not rise, so the test asks for less than every run gave.
+MARGIN = 0.2
+
+
+def test_rl_raises_the_held_out_reward(tmp_path):
+    model = warm_start(make_tiny_model(tmp_path / "base", arch="llama"), str(tmp_path / "warm"),
+                       steps=10)
+    cfg = load_config(None, [
+        "experiment_name=learn", f"seed={SEED}", f"cluster.fileroot={tmp_path / 'runs'}",
+        f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+        "local_engine.dtype=float32", "local_engine.max_batch_size=128",
+        "local_engine.max_seq_len=64", "gconfig.n_samples=8", "gconfig.max_new_tokens=8",
+        "train_dataset.path=python:toy_tasks:letter_items", "train_dataset.size=2048",
+        "train_dataset.batch_size=16", "rollout.consumer_batch_size=16",
+        "rollout.max_head_offpolicyness=2",
+        f"total_train_steps={STEPS}", "workflow.reward_fn=toy_tasks:repeat_letter",
+        "valid_dataset.path=python:toy_tasks:letter_items", "valid_dataset.size=64",
+        "valid_dataset.seed=99", "stats_logger.progress_bar=false", "stats_logger.plot=false",
+        "stats_logger.tensorboard=false",
+        "scheduler.inference_threads=1", "scheduler.trainer_threads=1",
+    ])
+    summary = train(cfg)
+    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
+    first, last = (sum(r["rollout/reward"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
+    # The warm start writes letters but hardly reads the prompt: a quarter of its greedy
+    # answers are right (one letter of four).
+    assert summary["eval_before"] < 0.45
+    assert summary["eval_after"] >= summary["eval_before"] + MARGIN, (summary, first, last)
+    assert last >= first + MARGIN / 2, (first, last)
