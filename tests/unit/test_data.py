@@ -66,16 +66,57 @@ def test_folder_is_read_by_split_and_named_after_the_folder(tmp_path):
         load_dataset(DatasetConfig(path=str(folder), split="validation"))
 
 
-def test_bad_json_line_is_reported_with_file_and_line(tmp_path):
+def test_bad_json_line_stops_the_load_with_file_and_line_when_asked(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", ROWS, raw_lines={3: '{"question": "x", '})
     with pytest.raises(DatasetError, match=r"bad\.jsonl:3: invalid JSON"):
-        load_dataset(DatasetConfig(path=str(path)))
+        load_dataset(DatasetConfig(path=str(path), bad_rows="error"))
 
 
-def test_missing_key_is_reported_with_file_line_and_key(tmp_path):
+def test_missing_key_stops_the_load_with_file_line_and_key_when_asked(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"question": "no answer"}])
     with pytest.raises(DatasetError, match=r"bad\.jsonl:2: missing key 'answer'"):
+        load_dataset(DatasetConfig(path=str(path), bad_rows="error"))
+
+
+def test_malformed_rows_are_skipped_counted_and_named_by_default(tmp_path, caplog):
+    rows = [ROWS[0], {"question": "no answer"}, ROWS[1], ["not", "an", "object"],
+            {"question": " ", "answer": "1"}, ROWS[2]]
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    path.write_text(path.read_text() + "{oops\n")  # line 7: not JSON
+    with caplog.at_level("WARNING", logger="asyncrl.data.loading"):
+        items = load_dataset(DatasetConfig(path=str(path)))
+    # lines 1, 3 and 6 are good; the ids keep the file's line numbers
+    assert [i["id"] for i in items] == ["bad-1", "bad-3", "custom"]
+    [record] = [r for r in caplog.records if "malformed" in r.getMessage()]
+    message = record.getMessage()
+    assert str(path) in message and "skipped 4 malformed row(s)" in message
+    for part in ("line 2: missing key 'answer'", "line 4: expected a JSON object",
+                 "line 5: 'question' must be a non-empty string", "line 7: invalid JSON",
+                 "bad_rows=error"):
+        assert part in message, part
+
+
+def test_skipped_rows_beyond_five_are_counted_not_listed(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0]] + [{"question": "q"}] * 7)
+    with caplog.at_level("WARNING", logger="asyncrl.data.loading"):
+        assert len(load_dataset(DatasetConfig(path=str(path)))) == 1
+    message = caplog.records[-1].getMessage()
+    assert "skipped 7 malformed row(s)" in message and "line 6:" in message
+    assert "line 7:" not in message and "and 2 more" in message
+
+
+def test_a_file_of_only_malformed_rows_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"q": 1}, {"q": 2}])
+    with pytest.raises(DatasetError, match=r"bad\.jsonl: all 2 rows are malformed .*line 1: "
+                                           "missing key 'question'"):
         load_dataset(DatasetConfig(path=str(path)))
+
+
+def test_bad_rows_takes_skip_or_error_only(tmp_path):
+    from asyncrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train_dataset.bad_rows"):
+        load_config(None, ["train_dataset.path=x.jsonl", "train_dataset.bad_rows=ignore"])
 
 
 def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):

@@ -206,6 +206,9 @@ class DatasetConfig:
     # reasoning-gym generation seed. Item i of seed s comes from Random(s + i), so train and
     # validation seeds must differ by more than the dataset size to share no items.
     seed: int = 0
+    # Malformed JSONL rows (bad JSON, a missing or empty question or answer): "skip" leaves
+    # them out and logs how many, naming each file and line; "error" stops at the first.
+    bad_rows: Literal["skip", "error"] = "skip"
 
 
 @dataclass(kw_only=True)

@@ -26,6 +26,7 @@ PYTHON_PREFIX = "python:"  # python:package.module:function generates the items
 _SPLIT_NAMES = {"train", "test", "valid", "validation", "dev", "eval"}
 
 logger = logging.getLogger(__name__)
+MAX_REPORTED_ROWS = 5  # malformed rows named one by one in the warning; the rest counted
 
 
 class DatasetError(ValueError):
@@ -48,9 +49,10 @@ def load_dataset(cfg: DatasetConfig) -> list[dict[str, Any]]:
                               **cfg.task_kwargs)
     local = Path(path).expanduser()
     if local.is_file():
-        return load_jsonl(local, limit=cfg.size)
+        return load_jsonl(local, limit=cfg.size, bad_rows=cfg.bad_rows)
     if local.is_dir():
-        return _load_jsonl_files(_split_files(local, cfg.split), limit=cfg.size)
+        return _load_jsonl_files(_split_files(local, cfg.split), limit=cfg.size,
+                                 bad_rows=cfg.bad_rows)
     if path.startswith((".", "/", "~")) or path.endswith(".jsonl"):
         raise DatasetError(f"dataset path {path!r} does not exist")
     return load_hf(path, split=cfg.split, limit=cfg.size, **cfg.task_kwargs)
@@ -93,12 +95,19 @@ def load_generated(spec: str, *, size: int, seed: int, **kwargs: Any) -> list[di
 # -- JSONL ------------------------------------------------------------------------------
 
 
-def load_jsonl(path: str | Path, *, limit: int | None = None,
-               task: str | None = None) -> list[dict[str, Any]]:
-    """Items from a JSONL file of {"question", "answer"} rows (GSM8K format accepted)."""
+def load_jsonl(path: str | Path, *, limit: int | None = None, task: str | None = None,
+               bad_rows: str = "skip") -> list[dict[str, Any]]:
+    """Items from a JSONL file of {"question", "answer"} rows (GSM8K format accepted).
+
+    A malformed row raises DatasetError naming the file and line with `bad_rows="error"`;
+    with "skip" it is left out, and one warning counts the skipped rows and names them.
+    """
+    if bad_rows not in ("skip", "error"):
+        raise ValueError(f"bad_rows must be 'skip' or 'error', got {bad_rows!r}")
     path = Path(path)
     task = task or _task_name(path)
     items: list[dict[str, Any]] = []
+    skipped: list[str] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if limit is not None and len(items) >= limit:
@@ -106,15 +115,26 @@ def load_jsonl(path: str | Path, *, limit: int | None = None,
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(
-                    f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-            try:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"invalid JSON ({e.msg} at column {e.colno})") from None
                 item = row_to_item(row, default_id=f"{path.stem}-{lineno}", default_task=task)
             except DatasetError as e:
-                raise DatasetError(f"{path}:{lineno}: {e}") from None
+                if bad_rows == "error":
+                    raise DatasetError(f"{path}:{lineno}: {e}") from None
+                skipped.append(f"line {lineno}: {e}")
+                continue
             items.append(item)
+    if skipped:
+        shown = "; ".join(skipped[:MAX_REPORTED_ROWS])
+        more = f"; and {len(skipped) - MAX_REPORTED_ROWS} more" \
+            if len(skipped) > MAX_REPORTED_ROWS else ""
+        logger.warning("%s: skipped %d malformed row(s) (%s%s); set the dataset's "
+                       "bad_rows=error to stop on them instead", path, len(skipped), shown, more)
+        if not items:
+            raise DatasetError(f"{path}: all {len(skipped)} rows are malformed (first: "
+                               f"{skipped[0]})")
     return items
 
 
@@ -160,13 +180,14 @@ def _split_files(folder: Path, split: str) -> list[Path]:
                        f"{found or 'no JSONL files'}; set the dataset's split or give a file")
 
 
-def _load_jsonl_files(files: list[Path], *, limit: int | None) -> list[dict[str, Any]]:
+def _load_jsonl_files(files: list[Path], *, limit: int | None,
+                      bad_rows: str = "skip") -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for f in files:
         remaining = None if limit is None else limit - len(items)
         if remaining == 0:
             break
-        items.extend(load_jsonl(f, limit=remaining))
+        items.extend(load_jsonl(f, limit=remaining, bad_rows=bad_rows))
     return items
 
 
