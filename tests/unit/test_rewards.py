@@ -151,6 +151,30 @@ def test_a_hung_reward_times_out_and_the_runner_recovers(misbehaving_runner):
     assert run(misbehaving_runner.score("fine", {"id": "item-10"})) == 1.0  # a fresh worker
 
 
+def test_closing_the_runner_during_a_call_fails_that_call_and_nothing_else():
+    # The run's end closes the runner while rollouts may still be scoring: the call in
+    # flight fails as a RewardError, and close() itself does not raise (the worker is
+    # stopped by close() and by the failed call's thread, once).
+    runner = RewardRunner(misbehaving_reward, timeout=30.0, workers=1)
+    loop = asyncio.new_event_loop()
+    try:
+        call = loop.create_task(runner.score("sleep", {"id": "item-11"}))
+        loop.run_until_complete(asyncio.sleep(0.5))
+        deadline = time.monotonic() + 20  # the worker process is spawned by the call
+        while not runner._live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [worker] = runner._live
+        start = time.perf_counter()
+        runner.close()
+        with pytest.raises(RewardError):
+            loop.run_until_complete(call)
+        assert time.perf_counter() - start < 10.0
+        assert worker.conn.closed and not worker.proc.is_alive()
+        worker.kill()  # again: a no-op
+    finally:
+        loop.close()
+
+
 def test_math_verify_hang_is_stopped_by_the_timeout_in_a_worker_process():
     # sympy evaluates the power tower for ever; only killing the process stops it.
     runner = RewardRunner(gsm8k_reward, timeout=1.5, workers=1)

@@ -86,6 +86,9 @@ class _Worker:
     """One child process that runs reward calls one at a time."""
 
     def __init__(self, ctx, fn: RewardFn):
+        # kill() runs from the runner's close() and from the thread whose call failed,
+        # possibly at once; closing the pipe twice concurrently can close a reused fd.
+        self._kill_lock = threading.Lock()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(fn, child), daemon=True,
                                 name=f"reward-{fn_name(fn)}")
@@ -112,9 +115,13 @@ class _Worker:
             raise EOFError(f"reward worker died with exit code {self.proc.exitcode}") from None
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
+        """Stop the process and close the pipe, once, whichever thread calls first."""
+        with self._kill_lock:
+            if self.conn.closed:
+                return
+            self.proc.kill()
+            self.proc.join(5)
+            self.conn.close()
 
 
 class RewardRunner:
