@@ -103,8 +103,16 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     raw = torch.empty(rounded + _HUGE_PAGE, dtype=torch.uint8)
+    return _aligned_view(raw, nbytes, rounded, shape, dtype, madvise)
+
+
+def _aligned_view(raw: torch.Tensor, nbytes: int, advised: int, shape: tuple[int, ...],
+                  dtype: torch.dtype, madvise) -> torch.Tensor:
+    """The 2 MB-aligned `shape` view of `raw` (one spare page long), its first `advised`
+    bytes advised onto huge pages before the first touch; a refusal is harmless."""
     start = -(-raw.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    madvise(start, rounded, 14)  # MADV_HUGEPAGE, before the first touch; refusal is harmless
+    if madvise is not None:
+        madvise(start, advised, 14)  # MADV_HUGEPAGE
     offset = start - raw.data_ptr()
     return raw[offset:offset + nbytes].view(dtype).view(shape)  # a view keeps `raw` alive
 
@@ -121,12 +129,7 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(mmap.mmap(-1, nbytes + _HUGE_PAGE), dtype=torch.uint8)
-    start = -(-raw.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    madvise = _madvise()
-    if madvise is not None:
-        madvise(start, nbytes - nbytes % _HUGE_PAGE, 14)  # MADV_HUGEPAGE; refusal is harmless
-    offset = start - raw.data_ptr()
-    return raw[offset:offset + nbytes].view(dtype).view(shape)  # a view keeps the map alive
+    return _aligned_view(raw, nbytes, nbytes - nbytes % _HUGE_PAGE, shape, dtype, _madvise())
 
 
 @dataclass
