@@ -13,8 +13,9 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.offline import TrainEngineConfig
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
-from asyncrl.training import FSDPTrainEngine, FSDPValueEngine
+from asyncrl.training import FSDPTrainEngine, FSDPValueEngine, logprob_head
 from asyncrl.training import engine as engine_module
+from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.prefix import pack_prefixes
 
 pytestmark = pytest.mark.usefixtures("process_group")
@@ -147,15 +148,27 @@ def test_hf_decoder_on_the_trie_gives_the_unpacked_hidden_states(tiny_path):
     pack = pack_prefixes(batch.input_ids, batch.attention_mask)
     decoder = hf.get_decoder()
     with torch.no_grad():
-        packed = decoder(**pack.model_inputs(), use_cache=False).last_hidden_state
         padded = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                          use_cache=False).last_hidden_state
+        use_trie_attention(hf)
+        nodes = decoder(**pack.model_inputs(), use_cache=False).last_hidden_state
+        # Padded batches through the trie attention are SDPA's, number for number.
+        again = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        use_cache=False).last_hidden_state
+    assert pack.n_nodes == 12 + 5 + 4 + 6 + 7 + 10 + 5  # p x y z w, then q and s
+    assert nodes.shape[:2] == (1, pack.n_nodes)  # the linear layers saw no padding
+    assert torch.equal(again, padded)
+    packed = pack.to_slots(nodes)  # [1, N, H] -> [R, L, H]
+    assert packed.shape[:2] == pack.input_ids.shape
     real = batch.attention_mask
     torch.testing.assert_close(packed.flatten(0, 1)[pack.node_of[real]], padded[real],
                                atol=1e-5, rtol=1e-5)
+    padding = torch.ones(pack.input_ids.numel(), dtype=torch.bool)
+    padding[pack.slots] = False
+    assert padding.sum() == pack.input_ids.numel() - pack.n_nodes
+    assert not packed.flatten(0, 1)[padding].any()  # padding slots: 0
     first_feature = pack.unpack(packed[..., 0])  # per node [R, L] -> per token [B, T]
     torch.testing.assert_close(first_feature, padded[..., 0] * real, atol=1e-5, rtol=1e-5)
-    assert pack.n_nodes == 12 + 5 + 4 + 6 + 7 + 10 + 5  # p x y z w, then q and s
 
 
 # ---- the engine: log-probs, entropy, gradients, a step -----------------------------------------
@@ -193,7 +206,7 @@ def test_bf16_compute_on_the_trie_stays_close_to_fp32(tiny_path):
 def test_every_parameter_gradient_equals_the_padded_path(tiny_path, monkeypatch,
                                                          logits_per_chunk):
     # 3 tokens per vocabulary-projection chunk: the chunks recomputed in backward.
-    monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
     engine = make_engine(tiny_path)
     batch = grpo_batch(seed=1)
     targets = engine_module.targets_loss(batch)

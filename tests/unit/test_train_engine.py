@@ -12,7 +12,12 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import FSDPTrainEngine, split_across_ranks, split_by_token_budget
+from asyncrl.training import (
+    FSDPTrainEngine,
+    logprob_head,
+    split_across_ranks,
+    split_by_token_budget,
+)
 from asyncrl.training import engine as engine_module
 from asyncrl.training.dist import free_port
 from asyncrl.training.optim import lr_factor
@@ -99,8 +104,8 @@ def test_micro_batched_chunked_step_equals_one_big_micro_batch(tiny_path, monkey
     optimizer = OptimizerConfig(lr=1e-2, eps=1.0, gradient_clipping=0.0)
     results = []
     for max_tokens, logits_per_chunk in ((10_000, 2**25), (12, 3 * 320)):
-        # 3 tokens per vocabulary-projection chunk (vocab 320): the recomputed-chunk path.
-        monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
+        # 3 tokens per vocabulary-projection chunk (vocab 320): several chunks.
+        monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
         engine = make_engine(tiny_path, optimizer=dataclasses.replace(optimizer),
                              mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens))
         stats = engine.train_batch(make_batch(), nll_loss)
@@ -259,7 +264,7 @@ def test_entropy_matches_a_full_softmax_over_the_vocabulary(tiny_path, monkeypat
                                                             logits_per_chunk):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", logits_per_chunk)
     engine = make_engine(tiny_path, temperature=0.7)
     batch = make_batch()
     hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
@@ -281,7 +286,7 @@ def test_entropy_matches_a_full_softmax_over_the_vocabulary(tiny_path, monkeypat
 
 
 def test_logprobs_with_entropy_equal_those_without(tiny_path, monkeypatch):
-    monkeypatch.setattr(engine_module, "LOGIT_CHUNK_ELEMENTS", 3 * 320)  # recomputed chunks
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 3 * 320)  # recomputed chunks
     engine = make_engine(tiny_path)
     batch = make_batch()
     targets = engine_module.targets_loss(batch)

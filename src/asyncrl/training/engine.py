@@ -30,7 +30,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from asyncrl.api import cores
 from asyncrl.api.protocols import LossFn
@@ -38,14 +37,14 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.training import checkpoint
+from asyncrl.training.attention import NAME as TRIE_ATTENTION
+from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.dist import init_process_group, local_device
+from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.optim import make_lr_scheduler, make_optimizer
 from asyncrl.training.prefix import PrefixPack, pack_prefixes
 
-# Floats of one chunk of fp32 logits (128 MiB): bounds the memory of the vocabulary
-# projection whatever the batch size.
-LOGIT_CHUNK_ELEMENTS = 2**25
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
 
 
@@ -54,9 +53,8 @@ class TokenLogprobModel(nn.Module):
 
     It is the FSDP root, so one forward unshards every parameter it uses. Only the chosen
     positions go through the vocabulary projection (prompt tokens do not need it in
-    training), in chunks of LOGIT_CHUNK_ELEMENTS fp32 logits: gather - logsumexp, never a
-    full [B, T, V] log_softmax. With gradients and more than one chunk, each chunk's logits
-    are recomputed in backward instead of kept, so memory stays at one chunk.
+    training), chunk by chunk with a hand-written backward (`logprob_head.py`): never a
+    full [B, T, V] log_softmax.
 
     Given a `PrefixPack`, the decoder runs on the trie's nodes and each distinct (prefix,
     token) goes through the projection once; rows sharing it read the same value.
@@ -96,48 +94,22 @@ class TokenLogprobModel(nn.Module):
         The gather that hands a node's value to every row through it sums their gradients
         in backward, into the one shared activation: the exact gradient.
         """
+        use_trie_attention(self.hf)
         out = self.hf.get_decoder()(**pack.model_inputs(), use_cache=False)
         nodes, spread = pack.chosen_nodes(chosen)
-        hidden = out.last_hidden_state.flatten(0, 1)[pack.parent[nodes]]
+        hidden = pack.to_slots(out.last_hidden_state).flatten(0, 1)[pack.parent[nodes]]
         parts = self._logprobs(hidden, pack.input_ids.flatten()[nodes], with_entropy)
         return [values[spread] for values in parts]
 
     def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
                   with_entropy: bool) -> list[torch.Tensor]:
-        """[log-probs] or [log-probs, entropies] of the chosen positions, chunk by chunk."""
-        vocab = self.hf.get_output_embeddings().weight.shape[0]
-        chunk = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-        if hidden.shape[0] <= chunk:
-            return list(self._chunk_logprobs(hidden, tokens, with_entropy))
-        parts = []
-        for h, tok in zip(hidden.split(chunk), tokens.split(chunk)):
-            if torch.is_grad_enabled():
-                parts.append(recompute_in_backward(self._chunk_logprobs, h, tok, with_entropy,
-                                                   use_reentrant=False))
-            else:
-                parts.append(self._chunk_logprobs(h, tok, with_entropy))
-        return [torch.cat(column) for column in zip(*parts)]
-
-    def _chunk_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
-                        with_entropy: bool) -> tuple[torch.Tensor, ...]:
-        logits = self.hf.get_output_embeddings()(hidden).float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        lse = logits.logsumexp(-1)
-        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
-        if not with_entropy:
-            return (logprobs,)
-        return logprobs, _entropy(logits.detach(), lse.detach())
-
-
-def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """-sum_v p_v log p_v of softmax(logits) per row, as lse - sum_v p_v z_v (sum p = 1).
-
-    In place on one chunk-sized temporary, so the peak memory grows by one chunk at most.
-    """
-    with torch.no_grad():
-        p = (logits - lse[:, None]).exp_()
-        return lse - p.mul_(logits).sum(-1)
+        """[log-probs] or [log-probs, entropies] of the chosen positions (`logprob_head`)."""
+        head = self.hf.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(self.hf).__name__}'s output projection has a bias, "
+                             "which the trainer's log-prob head does not apply")
+        return list(token_logprobs(hidden, head.weight, tokens, self.temperature,
+                                   with_entropy))
 
 
 def _place(chosen: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -182,7 +154,7 @@ def _check_packable(model: nn.Module) -> None:
         raise ValueError(f"shared_prefix=true: {name} has no shared-prefix forward; "
                          "set shared_prefix to false")
     config = model.hf.config
-    if config._attn_implementation != "sdpa":
+    if config._attn_implementation not in ("sdpa", TRIE_ATTENTION):
         # eager adds the mask as a float bias; flash attention takes no 4D mask at all.
         raise ValueError(f"shared_prefix=true needs sdpa attention, the model uses "
                          f"{config._attn_implementation!r}; set shared_prefix to false")

@@ -13,6 +13,10 @@ prefix) when it shares fewer than MIN_SHARED_TOKENS with its predecessor, or whe
 would grow past `capacity` nodes. Trees are packed into rows of `capacity` nodes, first fit
 decreasing; the ancestor mask keeps the trees of one packed row apart.
 
+The decoder runs on the real nodes only, as one row [1, N] (`model_inputs`): its linear
+layers compute no padding. Only attention sees the packed rows: `training/attention.py`
+scatters queries, keys and values into them, applies the ancestor mask and gathers back.
+
 Why twice the longest row as the default capacity: the attention over a packed row is dense
 (the mask removes no work), so it costs capacity^2, within 4x of one padded row, while a
 group of short answers still shares its prompt; and trees are small enough to pack densely.
@@ -38,6 +42,7 @@ class PrefixPack:
     position_ids: torch.Tensor  # [R, L] long: each node's depth = its position in its rows
     node_of: torch.Tensor  # [B, T] long: the flat node (r * L + l) of each token, -1 on padding
     parent: torch.Tensor  # [R * L] long: each node's parent (flat), -1 for roots and padding
+    slots: torch.Tensor  # [N] long: the flat slot of each real node, ascending
     n_nodes: int  # real nodes, padding excluded
 
     def to(self, device: torch.device) -> PrefixPack:
@@ -47,9 +52,17 @@ class PrefixPack:
             for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The HF decoder's keyword arguments for the packed forward."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-                "position_ids": self.position_ids}
+        """The HF decoder's keyword arguments for the packed forward: the real nodes as one
+        row [1, N]; the mask over the packed rows and `trie_slots` for the attention
+        (`training/attention.py`, which the model must use)."""
+        return {"input_ids": self.input_ids.flatten()[self.slots][None],
+                "position_ids": self.position_ids.flatten()[self.slots][None],
+                "attention_mask": self.attention_mask, "trie_slots": self.slots}
+
+    def to_slots(self, per_node: torch.Tensor) -> torch.Tensor:
+        """The decoder's output [1, N, ...] laid out per slot [R, L, ...], 0 on padding."""
+        flat = per_node.new_zeros((self.input_ids.numel(), *per_node.shape[2:]))
+        return flat.index_copy(0, self.slots, per_node[0]).unflatten(0, self.input_ids.shape)
 
     def chosen_nodes(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct nodes of tokens 1.. where `chosen` ([B, T - 1] bool), and the index of
@@ -146,4 +159,4 @@ def _finish(input_ids: torch.Tensor, attention_mask: torch.Tensor, node_of: torc
     parent[node_of[:, 1:][inner]] = node_of[:, :-1][inner]
     return PrefixPack(input_ids=tokens.view(n_rows, width), attention_mask=mask[:, None],
                       position_ids=depth.view(n_rows, width), node_of=node_of, parent=parent,
-                      n_nodes=n_nodes)
+                      slots=torch.unique(nodes), n_nodes=n_nodes)

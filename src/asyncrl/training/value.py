@@ -13,6 +13,7 @@ from torch import nn
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.engine import FSDPTrainEngine, targets_loss
 from asyncrl.training.prefix import PrefixPack
 
@@ -41,8 +42,9 @@ class ValueModel(nn.Module):
             out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             scores = out.logits[..., 0].float()  # [B, T]: one label, cheap on every position
         else:
+            use_trie_attention(self.hf)
             out = self.hf(**pack.model_inputs(), use_cache=False)
-            scores = pack.unpack(out.logits[..., 0].float())
+            scores = pack.unpack(pack.to_slots(out.logits[..., 0].float()))
         shifted = nn.functional.pad(scores[:, :-1], (1, 0))
         return shifted * targets
 
