@@ -9,7 +9,12 @@ def tiny_run_config(tmp_path, model, *overrides: str, name: str = "e2e") -> Expe
     The toy reward differs between almost any two completions, so GRPO has signal on a
     random model. `overrides` come last and win.
     """
-    return load_config(None, [
+    return load_config(None, tiny_run_overrides(tmp_path, model, *overrides, name=name))
+
+
+def tiny_run_overrides(tmp_path, model, *overrides: str, name: str = "e2e") -> list[str]:
+    """`tiny_run_config`'s overrides, e.g. for `asyncrl train` in a subprocess."""
+    return [
         f"experiment_name={name}", f"cluster.fileroot={tmp_path / 'runs'}",
         f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
         "local_engine.dtype=float32", "local_engine.max_batch_size=16",
@@ -21,4 +26,4 @@ def tiny_run_config(tmp_path, model, *overrides: str, name: str = "e2e") -> Expe
         "stats_logger.plot=false", "evaluator.before_training=false",
         "evaluator.after_training=false",
         "scheduler.inference_threads=1", "scheduler.trainer_threads=1", *overrides,
-    ])
+    ]

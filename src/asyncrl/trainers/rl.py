@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.api import Batch, Trainer, Trajectory
+from asyncrl.api import Batch, Trainer, Trajectory, faults
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
@@ -139,8 +139,16 @@ class RLTrainer:
             self.publisher: Any = weight_update
         else:
             self.publisher = self._make_publisher()
-        self.stats = StatsLogger(paths.root, cfg.stats_logger, run_config=cfg,
-                                 resume=recover.has_checkpoint(paths.recover))
+        resuming = cfg.recover.mode != "disabled" and recover.has_checkpoint(paths.recover)
+        if resuming:
+            step = recover.checkpoint_step(paths.recover)
+            dropped = recover.drop_records_after(step, paths.root / "stats.jsonl",
+                                                 paths.root / "batches.jsonl")
+            if any(dropped.values()):
+                logger.warning("resuming at step %d: dropped the interrupted run's rows after "
+                               "it (%s)", step, ", ".join(f"{n} in {name}"
+                                                          for name, n in dropped.items()))
+        self.stats = StatsLogger(paths.root, cfg.stats_logger, run_config=cfg, resume=resuming)
         self.saver = Periodic(cfg.saver, steps_per_epoch)
         self.checkpointer = Periodic(cfg.recover, steps_per_epoch)
         self.evaluator = Periodic(cfg.evaluator, steps_per_epoch)
@@ -193,6 +201,7 @@ class RLTrainer:
         bar = ProgressBar(self.total_steps, initial=step, enabled=self.cfg.stats_logger.progress_bar)
         while step < self.total_steps:
             timer = StepTimer(self.timeline, kinds=STEP_KINDS)
+            faults.point("generate", step + 1)
             with timer("wait_batch_s"):
                 batch, stats = self.rollout.next_batch()
             with timer("train_s"):

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from asyncrl.api import cores
+from asyncrl.api import cores, faults
 from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
@@ -365,6 +365,7 @@ class FSDPTrainEngine:
             if not real:
                 loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
             loss.backward()
+            faults.point("train", self.steps_done + 1)
             if real:
                 mb_stats.append(stats)
                 loss_sum += float(loss.detach())

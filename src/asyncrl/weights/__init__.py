@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.weights.broadcast import BroadcastError, BroadcastPublisher, WeightSender
-from asyncrl.weights.publisher import WeightPublisher
+from asyncrl.weights.publisher import PublishError, WeightPublisher
 
-__all__ = ["BroadcastError", "BroadcastPublisher", "WeightPublisher", "WeightSender",
-           "make_publisher", "transfer_backend"]
+__all__ = ["BroadcastError", "BroadcastPublisher", "PublishError", "WeightPublisher",
+           "WeightSender", "make_publisher", "transfer_backend"]
 MODES = ("disk", "broadcast")
 
 

@@ -3,6 +3,9 @@
 The trainer writes `<run>/weights/v<N>/`, then each server is paused, reloads from that
 folder, sets version N and resumes (the client does the per-server sequence, each step
 under a timeout). A server that does not answer raises an error; nothing waits forever.
+The folder is written as `v<N>.tmp` and renamed when whole, so no server is ever pointed at
+a half-written version; a write that fails (a full or read-only disk) raises
+`PublishError` before any server is touched, and they keep serving the previous version.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from typing import Any
 
 import torch
 
-from asyncrl.api import InferenceEngine, TrainEngine
+from asyncrl.api import InferenceEngine, TrainEngine, faults
 
 logger = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """Writing a weight version failed; no server was asked to load it."""
 
 
 class WeightPublisher:
@@ -41,9 +48,18 @@ class WeightPublisher:
         """Save weights `version` and load them on every server; returns timings."""
         t0 = time.monotonic()
         path = self.path(version)
-        if path.exists():
-            shutil.rmtree(path)  # a leftover of a crashed run; written again
-        actor.save_hf(str(path), dtype=getattr(torch, self.dtype))
+        tmp = path.with_name(path.name + ".tmp")
+        for leftover in (path, tmp):  # of a crashed run: written again
+            shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            actor.save_hf(str(tmp), dtype=getattr(torch, self.dtype))
+            faults.point("publish", version)
+            tmp.rename(path)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PublishError(f"writing weights v{version} to {tmp} failed ({e}); the "
+                               f"servers keep serving v{version - 1}. Free space or make "
+                               f"the run folder writable") from e
         t1 = time.monotonic()
         self._run(self.engine.update_weights_from_disk(str(path), version))
         t2 = time.monotonic()
@@ -57,7 +73,7 @@ class WeightPublisher:
     def _prune(self, current: int) -> None:
         for old in self.root.glob("v*"):
             try:
-                version = int(old.name[1:])
+                version = int(old.name[1:].removesuffix(".tmp"))
             except ValueError:
                 continue
             if version <= current - self.keep_last:
