@@ -1,5 +1,6 @@
 """Asynchronous RL end to end on a tiny random model, through real server processes."""
 
+import json
 import os
 from pathlib import Path
 
@@ -76,3 +77,26 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["rollout/staleness_max"] <= 2
     assert os.path.isdir(Path(summary["run_dir"]) / "recover")
+
+
+def test_a_hanging_reward_is_timed_out_run_again_and_reported(tmp_path, tiny_model,
+                                                              monkeypatch):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("TOY_REWARD_MARKS", str(marks))
+    summary = train(_config(tmp_path, tiny_model, eta=1, steps=3, extra=[
+        "workflow.reward_fn=toy_rewards:hangs_once", "workflow.reward_timeout=2",
+        "rollout.episode_retries=1", "evaluator.before_training=false",
+        "evaluator.after_training=false"]))
+    run = Path(summary["run_dir"])
+    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    reports = [json.loads(line) for line in (run / "failures.jsonl").read_text().splitlines()]
+    # Items whose first run hung; one may still have been hanging when the run ended.
+    hung = len(list(marks.iterdir()))
+    assert 1 <= len(reports) <= hung
+    assert all(r["retried"] and r["run"] == 1 and "RewardTimeout" in r["error"]
+               for r in reports)
+    # A step's counters are read when its batch is taken, its reports after it trained.
+    assert 1 <= rows[-1]["rollout/episodes_retried"] <= len(reports)
+    assert all(r["rollout/episodes_failed"] == 0 for r in rows)

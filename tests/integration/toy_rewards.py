@@ -17,3 +17,23 @@ def hash_or_constant(completion: str, item: dict) -> float:
     if zlib.crc32(str(item["id"]).encode()) % 4:
         return 0.0
     return text_hash(completion, item)
+
+
+def hangs_once(completion: str, item: dict) -> float:
+    """Hangs the first time it scores an item of every third (by id), else `text_hash`.
+
+    "First time" is a marker file per item under $TOY_REWARD_MARKS (the reward runs in
+    worker processes, which a timeout kills and replaces).
+    """
+    import os
+    import time
+    from pathlib import Path
+
+    if zlib.crc32(str(item["id"]).encode()) % 3 == 0:
+        mark = Path(os.environ["TOY_REWARD_MARKS"]) / f"{zlib.crc32(str(item['id']).encode())}"
+        try:
+            mark.touch(exist_ok=False)
+        except FileExistsError:
+            return text_hash(completion, item)
+        time.sleep(3600)
+    return text_hash(completion, item)

@@ -117,6 +117,50 @@ def test_failed_episodes_are_counted_and_replaced():
     assert stats["rollout/episodes_failed"] == 2
 
 
+class FlakyWorkflow(SleepyWorkflow):
+    """Items in `flaky_ids` fail on their first run only; items in `fail_ids` on every run."""
+
+    def __init__(self, flaky_ids, **kwargs):
+        super().__init__(**kwargs)
+        self.flaky_ids = set(flaky_ids)
+        self.runs: dict[int, int] = {}
+
+    async def run(self, engine, item):
+        self.runs[item["n"]] = self.runs.get(item["n"], 0) + 1
+        if item["n"] in self.flaky_ids and self.runs[item["n"]] == 1:
+            await asyncio.sleep(0.01)
+            raise TimeoutError(f"reward timed out on {item['n']}")
+        return await super().run(engine, item)
+
+
+def test_a_failed_episode_is_run_again_as_configured_and_every_run_is_reported():
+    workflow = FlakyWorkflow(flaky_ids={1, 4}, fail_ids={2})
+    ctrl = RolloutController(FakeEngine(), workflow, ListStream(), consumer_batch_size=4,
+                             max_head_offpolicyness=0, max_concurrent_rollouts=4,
+                             episode_retries=1)
+    ctrl.start()
+    try:
+        (_, batch, stats), = run_steps(ctrl, 1)
+        reports = ctrl.take_failures()
+    finally:
+        ctrl.stop()
+    # 1 and 4 came back on their second run; 2 failed twice and is reported, not trained.
+    assert sorted({t.meta["item"] for t in batch}) == [0, 1, 3, 4]
+    assert workflow.runs[1] == workflow.runs[4] == workflow.runs[2] == 2
+    assert stats["rollout/episodes_retried"] == 3 and stats["rollout/episodes_failed"] == 1
+    runs = sorted((r["item_id"], r["run"], r["retried"]) for r in reports)
+    assert runs == [("1", 1, True), ("2", 1, True), ("2", 2, False), ("4", 1, True)]
+    assert all("Error: reward" in r["error"] for r in reports)
+    assert ctrl.take_failures() == []  # each report is handed out once
+
+
+def test_episode_retries_must_not_be_negative():
+    with pytest.raises(ValueError, match="episode_retries must be >= 0"):
+        RolloutController(FakeEngine(), SleepyWorkflow(), ListStream(), consumer_batch_size=4,
+                          max_head_offpolicyness=0, max_concurrent_rollouts=4,
+                          episode_retries=-1)
+
+
 def test_too_many_failures_stop_the_run_with_the_causes():
     ctrl = make_controller(0, workflow=SleepyWorkflow(fail_ids=set(range(100))), max_failed=3)
     ctrl.start()

@@ -154,6 +154,9 @@ class RolloutConfig:
     # Failed episodes (reward raised or timed out, malformed item) are logged and counted;
     # the run stops once more than this many have failed. -1: never stop for failures.
     max_failed_episodes: int = 16
+    # Runs of a failed episode's item before it counts as failed: a reward that crashed or
+    # timed out, a sandbox that died. Every failed run is written to <run>/failures.jsonl.
+    episode_retries: int = 1
     # DAPO dynamic sampling: drop finished episodes (groups) whose trajectories all got the
     # same reward (zero advantage under group normalisation) and keep sampling until the
     # batch holds consumer_batch_size kept groups. Dropped groups free their slot.

@@ -61,6 +61,7 @@ class _Running:
     # An episode started from outside (an online agent session): what it awaits instead of
     # `workflow.run`. It cannot be re-run after a resume, so it is not saved as pending.
     external: Callable[[], Awaitable[list[Trajectory] | None]] | None = None
+    attempt: int = 0  # earlier failed runs of this item (rollout.episode_retries)
 
 
 class RolloutController:
@@ -69,6 +70,7 @@ class RolloutController:
     def __init__(self, engine: InferenceEngine, workflow: Workflow, stream: Any, *,
                  consumer_batch_size: int, max_head_offpolicyness: int,
                  max_concurrent_rollouts: int, max_failed_episodes: int = 16,
+                 episode_retries: int = 0,
                  should_accept: Callable[[list[Trajectory]], bool] | None = None) -> None:
         self.engine = engine
         self.workflow = workflow
@@ -78,6 +80,9 @@ class RolloutController:
         self.eta = max_head_offpolicyness
         self.batch_size = consumer_batch_size
         self.max_failed_episodes = max_failed_episodes
+        if episode_retries < 0:
+            raise ValueError(f"rollout.episode_retries must be >= 0, got {episode_retries}")
+        self.episode_retries = episode_retries
         self.should_accept = should_accept  # None: keep every finished episode
         self.staleness = StalenessManager(consumer_batch_size, max_head_offpolicyness,
                                           max_concurrent_rollouts)
@@ -85,11 +90,13 @@ class RolloutController:
         self._version = 0
         self._buffer: list[Episode] = []
         self._pending: deque[dict[str, Any]] = deque()  # items to submit before new ones
+        self._attempts: dict[int, int] = {}  # id(pending item) -> its failed runs so far
         self._running: dict[int, _Running] = {}
         self._next_seq = 0
         self._failures: list[str] = []
+        self._reports: list[dict[str, Any]] = []  # failed runs not yet taken (take_failures)
         self._counts = {"episodes_failed": 0, "episodes_rejected": 0, "episodes_accepted": 0,
-                        "groups_dropped_total": 0}
+                        "episodes_retried": 0, "groups_dropped_total": 0}
         self._dropped_since_batch = 0  # groups dropped by should_accept since the last batch
         self._dropped_in_a_row = 0  # reset by the next kept group
         self._paused = False
@@ -297,7 +304,8 @@ class RolloutController:
             if not self._pending and self.stream is None:
                 return  # online: episodes start from outside (start_external)
             item = self._pending.popleft() if self._pending else self.stream.next()
-            self._launch(_Running(item=item, start_version=self._version))
+            self._launch(_Running(item=item, start_version=self._version,
+                                  attempt=self._attempts.pop(id(item), 0)))
 
     def _launch(self, running: _Running) -> None:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
@@ -375,18 +383,39 @@ class RolloutController:
     def _on_failure(self, seq: int, running: _Running, err: Exception, *, fatal: bool = False) -> None:
         item_id = running.item.get("id", "?") if isinstance(running.item, dict) else "?"
         message = f"item {item_id}: {type(err).__name__}: {err}"
-        logger.error("episode failed: %s", message)
+        retry = (not fatal and running.external is None
+                 and running.attempt < self.episode_retries)
+        if retry:
+            logger.warning("episode failed (run %d of %d), running it again: %s",
+                           running.attempt + 1, self.episode_retries + 1, message)
+        else:
+            logger.error("episode failed: %s", message)
         with self._cond:
             del self._running[seq]
-            if fatal and running.external is None:  # not the item's fault: run it again later
-                self._pending.append(running.item)
+            self._reports.append({"item_id": item_id, "error": f"{type(err).__name__}: {err}",
+                                  "run": running.attempt + 1, "retried": retry,
+                                  "start_version": running.start_version})
             self.staleness.on_reject()
-            self._counts["episodes_failed"] += 1
-            self._failures.append(message)
+            if retry:
+                self._attempts[id(running.item)] = running.attempt + 1
+                self._pending.append(running.item)
+                self._counts["episodes_retried"] += 1
+            else:
+                if fatal and running.external is None:  # not the item's fault: run it again
+                    self._pending.append(running.item)
+                self._counts["episodes_failed"] += 1
+                self._failures.append(message)
             if fatal and self._crash is None:
                 self._crash = err
             self._cond.notify_all()
         self._wake.set()
+
+    def take_failures(self) -> list[dict[str, Any]]:
+        """The failed episode runs since the last call: item id, error, which run of the item
+        it was, and whether it is run again (else it counts in `episodes_failed`)."""
+        with self._cond:
+            reports, self._reports = self._reports, []
+        return reports
 
 
 async def _finish_stray_tasks(timeout: float = 10.0) -> None:

@@ -125,6 +125,7 @@ class RLTrainer:
             consumer_batch_size=B, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
             max_concurrent_rollouts=cfg.rollout.concurrency,
             max_failed_episodes=cfg.rollout.max_failed_episodes,
+            episode_retries=cfg.rollout.episode_retries,
             should_accept=make_episode_filter(cfg.rollout.dynamic_sampling,
                                               cfg.rollout.dynamic_filter_fn))
         if self.agents is not None:
@@ -143,7 +144,8 @@ class RLTrainer:
         if resuming:
             step = recover.checkpoint_step(paths.recover)
             dropped = recover.drop_records_after(step, paths.root / "stats.jsonl",
-                                                 paths.root / "batches.jsonl")
+                                                 paths.root / "batches.jsonl",
+                                                 paths.root / "failures.jsonl")
             if any(dropped.values()):
                 logger.warning("resuming at step %d: dropped the interrupted run's rows after "
                                "it (%s)", step, ", ".join(f"{n} in {name}"
@@ -216,6 +218,7 @@ class RLTrainer:
             stats |= _throughput(batch, timer.stats())
             stats["inference/server_restarts"] = float(self._restart_dead_servers())
             self._record_batch(step, batch)
+            self._record_failures(step)
             if self.agents is not None:
                 self.rollout.run_coroutine(self.agents.refresh_stats())
                 stats |= self.agents.stats()
@@ -240,6 +243,13 @@ class RLTrainer:
                 "group_ids": [t.group_id for t in batch]}
         with open(self.paths.root / "batches.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+
+    def _record_failures(self, step: int) -> None:
+        """The failed episode runs since the last step, one line each in <run>/failures.jsonl."""
+        reports = self.rollout.take_failures()
+        if reports:
+            with open(self.paths.root / "failures.jsonl", "a") as f:
+                f.writelines(json.dumps({"step": step, **r}) + "\n" for r in reports)
 
     def _restart_dead_servers(self) -> int:
         """Restart each inference server that failed its health check at two steps in a row

@@ -24,18 +24,22 @@ def trie_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                    **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF's attention-function signature: query [1, H, N, D], key/value [1, KV, N, D] on the
     nodes; returns [1, N, H, D]. `trie_slots` and the [R, 1, L, L] mask come from
-    `PrefixPack.model_inputs`."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    `PrefixPack.model_inputs`. Dropout is not applied (the trainer refuses models with it)."""
     if trie_slots is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1 or attention_mask is None or attention_mask.dim() != 4:
         raise ValueError("trie attention takes the nodes as one row and the pack's 4D mask "
                          "(PrefixPack.model_inputs)")
     rows, width = attention_mask.shape[0], attention_mask.shape[-1]
     q, k, v = (_to_rows(x, trie_slots, rows, width) for x in (query, key, value))
-    out, _ = sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)  # [R, L, H, D]
-    return out.flatten(0, 1)[trie_slots][None], None
+    # Grouped-query attention by SDPA itself: HF would repeat the keys and values per query
+    # head first (copies, and a sum over the copies in backward).
+    out = nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attention_mask, scale=kwargs.get("scaling"),
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).flatten(0, 1)[trie_slots][None], None  # [1, N, H, D]
 
 
 def _to_rows(x: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:
