@@ -18,8 +18,8 @@ from asyncrl.trainers.rl import train
 pytestmark = pytest.mark.integration
 
 
-def _kill_server_after_first_step(run: Path, stop: threading.Event) -> None:
-    """SIGKILL inference server 1 once step 1 is logged (its pid from services.json)."""
+def _kill_server_after_first_step(run: Path, stop: threading.Event, index: int = 1) -> None:
+    """SIGKILL inference server `index` once step 1 is logged (its pid from services.json)."""
     while not stop.is_set():
         try:
             logged = (run / "stats.jsonl").read_text()
@@ -28,10 +28,36 @@ def _kill_server_after_first_step(run: Path, stop: threading.Event) -> None:
             time.sleep(0.05)
             continue
         if '"step": 1' in logged:
-            pid = next(w["pid"] for w in workers if w["role"] == "inference" and w["index"] == 1)
+            pid = next(w["pid"] for w in workers
+                       if w["role"] == "inference" and w["index"] == index)
             os.killpg(pid, signal.SIGKILL)
             return
         time.sleep(0.05)
+
+
+def _train_killing_server(cfg, run: Path, index: int) -> dict:
+    """Train `cfg` while server `index` is killed after step 1; check that nothing was lost:
+    6 steps, one restart, the staleness bound, no episode or item trained twice."""
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_server_after_first_step, args=(run, stop, index))
+    killer.start()
+    try:
+        summary = train(cfg)
+    finally:
+        stop.set()
+        killer.join()
+    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["inference/server_restarts"] == 1
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert all(r["rollout/episodes_failed"] == 0 for r in rows)
+    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+    trained = [tid for b in batches for tid in b["task_ids"]]
+    groups = Counter(gid for b in batches for gid in b["group_ids"])
+    # 6 steps x 2 prompts x 2 samples; no episode twice, no item twice (64 items, one epoch)
+    assert len(trained) == 24 and set(groups.values()) == {2} and len(groups) == 12
+    assert len(set(trained)) == 12
+    return summary
 
 
 @pytest.mark.parametrize("router", ["inline", "service"])
@@ -44,27 +70,23 @@ def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path, r
                           "rollout.health_check_interval=0.5", f"scheduler.router={router}",
                           name="fault")
     run = Path(tmp_path / "runs" / "fault" / cfg.trial_name)
-    stop = threading.Event()
-    killer = threading.Thread(target=_kill_server_after_first_step, args=(run, stop))
-    killer.start()
-    try:
-        summary = train(cfg)
-    finally:
-        stop.set()
-        killer.join()
-    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert rows[-1]["inference/server_restarts"] == 1
-    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    summary = _train_killing_server(cfg, run, index=1)
     log = (run / "logs" / "trainer.log").read_text()
     assert "inference server 1 failed two health checks; restarting it" in log
     if router == "service":
         log = (run / "logs" / "router-0.log").read_text()
     assert "is back in routing at version" in log  # re-synced to the current weights
-    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
-    trained = [tid for b in batches for tid in b["task_ids"]]
-    groups = Counter(gid for b in batches for gid in b["group_ids"])
-    # 6 steps x 2 prompts x 2 samples; no episode twice, no item twice (64 items, one epoch)
-    assert len(trained) == 24 and set(groups.values()) == {2} and len(groups) == 12
-    assert len(set(trained)) == 12
     assert summary["run_dir"] == str(run)
+
+
+def test_the_only_server_killed_is_restarted_and_the_run_goes_on(tmp_path):
+    """One server (the quickstart's layout): no other server takes its requests, so they
+    wait for it; the trainer restarts it while waiting for a batch or when a weight update
+    finds it dead, and publishes again."""
+    model = make_tiny_model(tmp_path / "model", arch="llama")
+    cfg = tiny_run_config(tmp_path, model, "allocation_mode=local:d1+fsdp:d1",
+                          "total_train_steps=6", name="fault")
+    run = Path(tmp_path / "runs" / "fault" / cfg.trial_name)
+    _train_killing_server(cfg, run, index=0)
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "restarting it" in log and "is back in routing at version" in log

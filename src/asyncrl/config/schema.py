@@ -149,6 +149,9 @@ class RolloutConfig:
     # Seconds between checks that bring a server that failed back (re-synced to the current
     # weights) into routing; null: only when no server is left.
     health_check_interval: Optional[float] = 10.0
+    # Seconds a generation request waits for a server to come back when none is live (the
+    # run restarts dead servers it started); after that the run stops with the cause.
+    server_wait_timeout: float = 120.0
     # Appended to every server's command line (e.g. vLLM's ["--max-num-batched-tokens", "4096"]).
     server_args: list[str] = field(default_factory=list)
     # Failed episodes (reward raised or timed out, malformed item) are logged and counted;

@@ -95,7 +95,8 @@ class HTTPInferenceEngine:
 
     def __init__(self, addresses: list[str], *, request_timeout: float = 3600.0,
                  request_retries: int = 3, update_weights_timeout: float = 300.0,
-                 api_key: str | None = None, health_check_interval: float | None = None):
+                 api_key: str | None = None, health_check_interval: float | None = None,
+                 server_wait_timeout: float = 0.0):
         if not addresses:
             raise ValueError(f"{type(self).__name__} needs at least one server address")
         self.addresses = [normalise_address(a) for a in addresses]
@@ -103,6 +104,8 @@ class HTTPInferenceEngine:
         self.request_retries = request_retries
         self.update_weights_timeout = update_weights_timeout
         self.health_check_interval = health_check_interval
+        # Seconds a request waits for a live server when none is (0: fail at once).
+        self.server_wait_timeout = server_wait_timeout
         api_key = api_key if api_key is not None else os.environ.get("ASYNCRL_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         n = len(self.addresses)
@@ -290,25 +293,35 @@ class HTTPInferenceEngine:
         self._start_health_task()
         while True:
             key = req.affinity or req.rid
-            idx = self._acquire(key)
-            if idx is None:
-                await self._check_servers()  # a server may be back: try once before failing
-                idx = self._acquire(key)
-            if idx is None:
-                raise InferenceServerError(f"no live inference server: {self._down_detail()}")
+            idx = await self._acquire_or_wait(key)
             try:
                 return await self._generate_on(idx, req)
             except ServerUnreachableError as e:
                 self._mark_down(idx, str(e))
-                if not self.live_servers:
-                    raise
                 with self._lock:
-                    self._pinned.pop(key, None)  # start again on another server
+                    self._pinned.pop(key, None)  # start again on another server, or this
+                    # one once it is back (restarted by the run's scheduler)
             finally:
                 with self._lock:
                     self._outstanding[idx] -= 1
                     if self.timeline is not None and not self._outstanding[idx]:
                         self.timeline.end(f"server {idx}", "generate")
+
+    async def _acquire_or_wait(self, key: str) -> int:
+        """A live server for `key`; with none live, wait up to `server_wait_timeout` for one
+        to come back (a scheduler restarting it), checking every half second."""
+        idx = self._acquire(key)
+        deadline = time.monotonic() + self.server_wait_timeout
+        while idx is None:
+            await self._check_servers()
+            idx = self._acquire(key)
+            if idx is None:
+                if time.monotonic() >= deadline:
+                    raise InferenceServerError(
+                        f"no live inference server for {self.server_wait_timeout:g}s: "
+                        f"{self._down_detail()}")
+                await asyncio.sleep(0.5)
+        return idx
 
     def _acquire(self, rid: str) -> int | None:
         """The server for key `rid` (its pinned one if live, else the least busy); None if none

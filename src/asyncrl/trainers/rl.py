@@ -18,6 +18,7 @@ from asyncrl.api import Batch, Trainer, Trajectory, faults
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
 from asyncrl.inference.backends import client_class
+from asyncrl.inference.base import WeightUpdateError
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
 from asyncrl.observe.timeline import Timeline, plot_timeline
@@ -37,6 +38,8 @@ from asyncrl.weights import make_publisher, transfer_backend
 from asyncrl.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
+# Seconds between health checks of the servers while the trainer waits for a batch.
+SERVER_CHECK_S = 5.0
 # The step's sections drawn on the trainer's lane of timeline.png.
 STEP_KINDS = {"wait_batch_s": "wait", "train_s": "train", "publish_s": "publish"}
 ROLES = ("inference", "router", "trainer", "weight_update", "agent")  # the processes an RL run's scheduler starts
@@ -101,7 +104,8 @@ class RLTrainer:
                 addresses, request_timeout=cfg.rollout.request_timeout,
                 request_retries=cfg.rollout.request_retries,
                 update_weights_timeout=cfg.rollout.update_weights_timeout,
-                health_check_interval=cfg.rollout.health_check_interval, api_key=inference_key)
+                health_check_interval=cfg.rollout.health_check_interval, api_key=inference_key,
+                server_wait_timeout=cfg.rollout.server_wait_timeout)
             self.engine.timeline = self.timeline  # the servers' lanes, as routed from here
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
@@ -205,14 +209,14 @@ class RLTrainer:
             timer = StepTimer(self.timeline, kinds=STEP_KINDS)
             faults.point("generate", step + 1)
             with timer("wait_batch_s"):
-                batch, stats = self.rollout.next_batch()
+                batch, stats = self._next_batch()
             with timer("train_s"):
                 stats |= self._train_step(batch)
             if pending_eval is not None:
                 pending_eval()
                 pending_eval = None
             with timer("publish_s"):
-                stats |= self.publisher.publish(self.trainer, version=step + 1)
+                stats |= self._publish(step + 1)
             self._announce_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
@@ -251,17 +255,43 @@ class RLTrainer:
             with open(self.paths.root / "failures.jsonl", "a") as f:
                 f.writelines(json.dumps({"step": step, **r}) + "\n" for r in reports)
 
-    def _restart_dead_servers(self) -> int:
-        """Restart each inference server that failed its health check at two steps in a row
-        (its process dead, or alive but not answering); it rejoins routing once it holds
-        the current weights (the client re-syncs it). Returns the run's restart count."""
+    def _next_batch(self) -> tuple[Batch, dict[str, float]]:
+        """The rollout's next batch. While it waits, servers that died are restarted: with
+        every server dead no episode can finish, and the wait would never end."""
+        while True:
+            try:
+                return self.rollout.next_batch(timeout=SERVER_CHECK_S)
+            except TimeoutError:
+                self._restart_dead_servers()
+
+    def _publish(self, version: int) -> dict[str, float]:
+        """Publish `version`; if that failed because servers died, restart them and publish
+        once more (they come back at the previous version, then load this one)."""
+        try:
+            return self.publisher.publish(self.trainer, version=version)
+        except WeightUpdateError as e:
+            if self.scheduler is None or not self._restart_dead_servers(checks=1, count=False):
+                raise
+            logger.warning("weight update v%d failed (%s); restarted the dead servers, "
+                           "publishing again", version, e)
+            return self.publisher.publish(self.trainer, version=version)
+
+    def _restart_dead_servers(self, checks: int = 2, count: bool = True) -> int:
+        """Restart each inference server that failed its health check `checks` times in a
+        row (its process dead, or alive but not answering); it rejoins routing once it
+        holds the current weights (the client re-syncs it). Returns the run's restart count
+        (`count`), or how many this call restarted."""
         if self.scheduler is None:
-            return self.server_restarts
+            return self.server_restarts if count else 0
+        restarted = 0
         for idx, ok in enumerate(self.scheduler.check_health("inference")):
             self._failed_checks[idx] = 0 if ok else self._failed_checks.get(idx, 0) + 1
-            if self._failed_checks[idx] < 2:
+            if self._failed_checks[idx] < checks:
                 continue
-            logger.warning("inference server %d failed two health checks; restarting it", idx)
+            logger.warning("inference server %d failed %s; restarting it", idx,
+                           {1: "a health check", 2: "two health checks"}.get(
+                               checks, f"{checks} health checks"))
+            restarted += 1
             worker = self.scheduler.restart_worker("inference", idx)
             if worker.address != self.engine.addresses[idx]:
                 self.engine.replace_server(idx, worker.address)
@@ -270,7 +300,7 @@ class RLTrainer:
             self.rollout.run_coroutine(self.engine.check_servers())
             if self.agents is not None and not self.routed:  # the agent service's own client
                 self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
-        return self.server_restarts
+        return self.server_restarts if count else restarted
 
     def _announce_version(self, version: int) -> None:
         """The servers hold `version` now: the agent service and the rollout learn it."""
