@@ -1,6 +1,7 @@
 """Offline rows: SFT and preference JSONL to tokens with loss masks, and bad rows explained."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -131,10 +132,26 @@ def test_size_keeps_the_first_rows_and_max_length_drops_long_examples(tmp_path, 
     ({"text": "raw"}, "cannot tell the row's format from its keys \\['text'\\]"),
 ], ids=["json", "not_object", "no_answer", "empty_prompt", "number", "no_assistant",
         "bad_role", "no_content", "preference_row", "unknown_shape"])
-def test_malformed_sft_rows_name_the_file_and_line(tmp_path, tok, line, message):
+def test_malformed_sft_rows_name_the_file_and_line(tmp_path, tok, caplog, line, message):
     good = {"prompt": "p", "answer": "a"}
+    rows = [good, "", line, good]  # line 2 is blank: skipped, still counted
     with pytest.raises(DatasetError, match=rf"d\.jsonl:3: .*{message}"):
-        sft(tmp_path, tok, [good, "", line])  # line 2 is blank: skipped, still counted
+        sft(tmp_path, tok, rows, bad_rows="error")
+    # By default the row is left out, and one warning names it.
+    with caplog.at_level("WARNING"):
+        assert len(sft(tmp_path, tok, rows)) == 2
+    [warning] = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert re.search(rf"skipped 1 malformed row\(s\) \(.*d\.jsonl:3: .*{message}", warning)
+    assert "bad_rows=error" in warning
+
+
+def test_skipped_rows_are_counted_and_the_first_five_named(tmp_path, tok, caplog):
+    rows = [{"prompt": "p", "answer": "a"}] + ['{"broken'] * 7
+    with caplog.at_level("WARNING"):
+        assert len(sft(tmp_path, tok, rows)) == 1
+    [warning] = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert "skipped 7 malformed row(s)" in warning and "and 2 more" in warning
+    assert [f"d.jsonl:{n}:" in warning for n in range(2, 9)] == [True] * 5 + [False] * 2
 
 
 @pytest.mark.parametrize("row, message", [

@@ -68,6 +68,9 @@ class OfflineDatasetConfig:
     # Examples with a row longer than this many tokens (prompt + answer) are dropped.
     max_length: Optional[int] = None
     size: Optional[int] = None  # keep the first `size` rows of the file
+    # Malformed rows (bad JSON, a wrong shape): skip them with one warning that counts them
+    # and names the first by file and line, or stop at the first ("error").
+    bad_rows: Literal["skip", "error"] = "skip"
 
     def check(self, name: str) -> None:
         """Raise naming `<name>.<key>` if a value is out of range."""

@@ -126,16 +126,23 @@ def load_jsonl(path: str | Path, *, limit: int | None = None, task: str | None =
                 skipped.append(f"line {lineno}: {e}")
                 continue
             items.append(item)
-    if skipped:
-        shown = "; ".join(skipped[:MAX_REPORTED_ROWS])
-        more = f"; and {len(skipped) - MAX_REPORTED_ROWS} more" \
-            if len(skipped) > MAX_REPORTED_ROWS else ""
-        logger.warning("%s: skipped %d malformed row(s) (%s%s); set the dataset's "
-                       "bad_rows=error to stop on them instead", path, len(skipped), shown, more)
-        if not items:
-            raise DatasetError(f"{path}: all {len(skipped)} rows are malformed (first: "
-                               f"{skipped[0]})")
+    report_skipped(path, skipped, kept=len(items))
     return items
+
+
+def report_skipped(source: str | Path, skipped: list[str], *, kept: int) -> None:
+    """One warning for the malformed rows skipped from `source` (the first few named);
+    an error if no row was kept."""
+    if not skipped:
+        return
+    if not kept:
+        raise DatasetError(f"{source}: all {len(skipped)} rows are malformed (first: "
+                           f"{skipped[0]})")
+    shown = "; ".join(skipped[:MAX_REPORTED_ROWS])
+    more = f"; and {len(skipped) - MAX_REPORTED_ROWS} more" \
+        if len(skipped) > MAX_REPORTED_ROWS else ""
+    logger.warning("%s: skipped %d malformed row(s) (%s%s); set the dataset's "
+                   "bad_rows=error to stop on them instead", source, len(skipped), shown, more)
 
 
 def row_to_item(row: Any, *, default_id: str, default_task: str) -> dict[str, Any]:

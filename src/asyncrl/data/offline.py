@@ -29,7 +29,7 @@ import torch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.offline import OfflineDatasetConfig
-from asyncrl.data.loading import DatasetError, _split_files
+from asyncrl.data.loading import DatasetError, _split_files, report_skipped
 from asyncrl.data.prompts import build_messages, encode_chat
 from asyncrl.models.reward import encode_conversation
 
@@ -69,8 +69,11 @@ def dataset_files(cfg: OfflineDatasetConfig) -> list[Path]:
                        f"folder holding {cfg.split}.jsonl)")
 
 
-def read_jsonl(files: list[Path], limit: int | None = None) -> Iterator[tuple[str, dict]]:
-    """("file:line", row) for the first `limit` JSON-object rows of `files`."""
+def read_jsonl(files: list[Path], limit: int | None = None,
+               skipped: list[str] | None = None) -> Iterator[tuple[str, dict]]:
+    """("file:line", row) for the first `limit` JSON-object rows of `files`. A line that is
+    not one raises DatasetError naming file and line, or, given a `skipped` list, is
+    recorded there ("file:line: why") and left out."""
     count = 0
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -82,12 +85,15 @@ def read_jsonl(files: list[Path], limit: int | None = None) -> Iterator[tuple[st
                 where = f"{path}:{lineno}"
                 try:
                     row = json.loads(line)
+                    why = None if isinstance(row, dict) else \
+                        f"expected a JSON object, got {type(row).__name__}"
                 except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})"
-                                       ) from None
-                if not isinstance(row, dict):
-                    raise DatasetError(f"{where}: expected a JSON object, got "
-                                       f"{type(row).__name__}")
+                    why = f"invalid JSON ({e.msg} at column {e.colno})"
+                if why is not None:
+                    if skipped is None:
+                        raise DatasetError(f"{where}: {why}")
+                    skipped.append(f"{where}: {why}")
+                    continue
                 count += 1
                 yield where, row
 
@@ -254,13 +260,18 @@ def last_token_row(tokenizer: Any, messages: Messages, loss_from: int = 0) -> To
 
 
 def _load(cfg: OfflineDatasetConfig, parse: Callable[[dict], Example]) -> list[Example]:
-    """Examples of every row of `cfg`'s files, errors naming file and line, long ones dropped."""
-    examples = []
-    for where, row in read_jsonl(dataset_files(cfg), cfg.size):
+    """Examples of every row of `cfg`'s files, long ones dropped. Malformed rows are
+    skipped and reported (`bad_rows: skip`), or stop the load naming file and line."""
+    examples: list[Example] = []
+    skipped: list[str] | None = [] if cfg.bad_rows == "skip" else None
+    for where, row in read_jsonl(dataset_files(cfg), cfg.size, skipped):
         try:
             examples.append(parse(row))
         except ValueError as e:  # DatasetError, and a chat template's own complaints
-            raise DatasetError(f"{where}: {e}") from None
+            if skipped is None:
+                raise DatasetError(f"{where}: {e}") from None
+            skipped.append(f"{where}: {e}")
+    report_skipped(cfg.path, skipped or [], kept=len(examples))
     if not examples:
         raise DatasetError(f"dataset {cfg.path!r} has no rows")
     return _drop_long(examples, cfg.max_length, cfg.path)
