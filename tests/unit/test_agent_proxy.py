@@ -227,6 +227,36 @@ def test_keys_rewards_and_bodies_are_checked(tokenizer):
     assert out["late_chat"][0] == 409
 
 
+def test_sessions_of_a_proxy_that_restarted_are_reported_lost_not_unknown(tokenizer):
+    async def main():
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        first, _ = await start_proxy(tokenizer, ["x"])
+        _, s, _ = await post(f"{root(first)}/rl/start_session", ADMIN, {})
+        assert (await post(f"{first.base_url}/chat/completions", s["api_key"], body))[0] == 200
+        await first.stop()  # the process ends: its sessions with it
+        second, _ = await start_proxy(tokenizer, ["y"])
+        r = root(second)
+        out = {"chat": await post(f"{second.base_url}/chat/completions", s["api_key"], body),
+               "reward": await post(f"{r}/rl/set_reward", s["api_key"], {"reward": 1}),
+               "close": await post(f"{r}/rl/close_session", ADMIN,
+                                   {"session_id": s["session_id"]}),
+               "made_up": await post(f"{second.base_url}/chat/completions",
+                                     "sk-asyncrl-zz-not-ours", body),
+               "sessions": second.store.counts["started"]}
+        await second.stop()
+        return out
+
+    out = run(main())
+    for name in ("chat", "reward", "close"):
+        status, answer, _ = out[name]
+        assert status == 410, name
+        assert "restarted" in answer["error"]["message"]
+        assert "none of it is trained" in answer["error"]["message"]
+    assert out["chat"][1]["error"]["code"] == "session_lost"
+    assert out["made_up"][0] == 401  # not a key any proxy issued: still just wrong
+    assert out["sessions"] == 0  # nothing was recorded for the lost session
+
+
 def test_an_idle_session_times_out_and_is_reported(tokenizer):
     ended = []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -32,6 +33,10 @@ class SessionStatus(str, enum.Enum):
     VERSION_LAG = "version_lag"  # fell more than max_session_version_lag versions behind
     FAILED = "failed"  # its agent raised or exited non-zero
     CANCELLED = "cancelled"  # the proxy shut down while it was active
+
+
+LOST = ("{what} began on an agent proxy that has restarted since: it is lost, and none of "
+        "it is trained; start a new session")
 
 
 class SessionError(Exception):
@@ -108,10 +113,16 @@ class Session:
                 "age_s": round(time.monotonic() - self.created, 3)}
 
 
+# Ids and generated keys carry the store's instance tag, so that a proxy that restarted can
+# tell a session it never knew from one its previous process had (and lost).
+_TAGGED = re.compile(r"^(?:sess|sk-asyncrl)-([0-9a-f]{8})-")
+
+
 class SessionStore:
     """Sessions by id and by key; keys bind to one session at a time."""
 
     def __init__(self, *, on_end: Callable[[Session], None] | None = None) -> None:
+        self.instance = secrets.token_hex(4)  # new in every proxy process
         self.by_id: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
         self.on_end = on_end
@@ -127,8 +138,9 @@ class SessionStore:
         if api_key is not None and api_key in self.by_key:
             old = self.by_key[api_key]
             self.end(old, SessionStatus.ENDED, "its key started a new session")
-        session = Session(id=f"sess-{uuid.uuid4().hex[:16]}",
-                          api_key=api_key or f"sk-asyncrl-{secrets.token_urlsafe(24)}",
+        session = Session(id=f"sess-{self.instance}-{uuid.uuid4().hex[:16]}",
+                          api_key=api_key or f"sk-asyncrl-{self.instance}-"
+                                             f"{secrets.token_urlsafe(24)}",
                           task_id=task_id, start_version=start_version,
                           sampling=dict(sampling or {}))
         session.done = asyncio.get_running_loop().create_future()
@@ -142,9 +154,17 @@ class SessionStore:
 
     def get(self, session_id: str) -> Session:
         session = self.by_id.get(session_id)
+        if session is None and self.from_earlier_proxy(session_id):
+            raise SessionError(LOST.format(what=f"session {session_id}"), status=410)
         if session is None:
             raise SessionError(f"unknown session {session_id!r}", status=404)
         return session
+
+    def from_earlier_proxy(self, key_or_id: str) -> bool:
+        """Whether a session id or generated key was issued by another proxy process (one
+        that this one replaced: its sessions are gone)."""
+        match = _TAGGED.match(key_or_id)
+        return match is not None and match.group(1) != self.instance
 
     def end(self, session: Session, status: SessionStatus, reason: str = "") -> bool:
         """End `session` once with `status` (False if it had already ended)."""

@@ -26,6 +26,9 @@ prompt and output ids, log-probs and weight versions (`agents/capture.py`).
 - Idle sessions end after `session_timeout` seconds with status `timed_out`; a session
   more than `max_session_version_lag` versions behind the served weights ends with status
   `version_lag` and its requests get 409. Both are counted and logged, never trained.
+- Restarts: sessions live in the proxy's memory. A key or session id that an earlier
+  process of the proxy issued gets 410 `session_lost` (its session is gone, none of it is
+  trained), not 401.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from asyncrl.agents.capture import Completion
-from asyncrl.agents.session import Session, SessionError, SessionStatus, SessionStore
+from asyncrl.agents.session import LOST, Session, SessionError, SessionStatus, SessionStore
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.services.detokenize import detokenize
 from asyncrl.services.openai_api import OpenAIRoutes, _checked_body, _json_or_none
@@ -444,7 +447,8 @@ class AgentProxy:
     # ---- /v1/* ------------------------------------------------------------------------------
 
     def _session(self, request: web.Request) -> Session | web.Response:
-        """The active session of the request's key; 401 for unknown keys, 409 if it ended."""
+        """The active session of the request's key; 401 for unknown keys, 409 if it ended,
+        410 if an earlier process of the proxy issued it."""
         key = _bearer(request)
         session = self.store.by_api_key(key) if key else None
         if session is not None:
@@ -455,6 +459,8 @@ class AgentProxy:
             why = f" ({ended.status.value}: {ended.reason})" if ended else ""
             return _error(409, f"session {sid} has ended{why}; start a new session",
                           code="session_ended")
+        if key and self.store.from_earlier_proxy(key):
+            return _error(410, LOST.format(what="this key's session"), code="session_lost")
         return _error(401, "missing or wrong API key: use the api_key of an active session "
                       "(Authorization: Bearer <key>)", code="invalid_api_key")
 
