@@ -23,10 +23,18 @@ def serving(app: web.Application) -> Iterator[str]:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
+    async def stop() -> None:
+        await runner.cleanup()
+        # Handlers of connections a test left half-open: end them before the loop stops.
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
     try:
         yield asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()

@@ -38,12 +38,14 @@ from asyncrl.engine.cpu import huge_empty
 from asyncrl.engine.engine import LocalEngine
 from asyncrl.engine.local_backend import LocalBackend
 from asyncrl.engine.model import CheckpointError, check_tensors, hf_shapes
+from asyncrl.engine.openapi import openapi
 from asyncrl.services.http import serve_app
 from asyncrl.services.openai_api import OpenAIRoutes, key_matches, unauthorized
 from asyncrl.weights import transport
 
 logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = {f.name: f.type for f in fields(SamplingParams)}
+PUBLIC_PATHS = ("/health", "/openapi.json")  # answered without the API key
 
 
 class BadRequest(ValueError):
@@ -106,7 +108,7 @@ def parse_generation_request(body: Any) -> GenerationRequest:
 async def _json_body(request: web.Request) -> Any:
     try:
         return await request.json()
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # UTF-8 is JSON's encoding
         raise BadRequest(f"body is not valid JSON: {e}") from None
 
 
@@ -153,6 +155,7 @@ class InferenceServer:
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
             web.get("/weights_checksum", self.weights_checksum),
+            web.get("/openapi.json", self.openapi),
         ])
         # Weight-update groups by name, with their timeout; one broadcast update at a time.
         self._groups: dict[str, tuple[Any, float]] = {}
@@ -163,7 +166,8 @@ class InferenceServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key and request.path != "/health" and not key_matches(request, self.api_key):
+        if self.api_key and request.path not in PUBLIC_PATHS \
+                and not key_matches(request, self.api_key):
             if request.path.startswith("/v1/"):  # OpenAI clients expect their error shape
                 return unauthorized()
             return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
@@ -191,6 +195,9 @@ class InferenceServer:
         except Exception as e:  # a failed engine step: report it rather than a bare 500
             return _error(500, f"generation failed: {type(e).__name__}: {e}")
         return web.json_response(resp.to_dict())
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi(self.model_name, api_key=bool(self.api_key)))
 
     async def pause(self, request: web.Request) -> web.Response:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.pause)

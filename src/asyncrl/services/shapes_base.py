@@ -46,7 +46,7 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     """The request's JSON object, or an OpenAIError saying why not."""
     try:
         body = await request.json()
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")

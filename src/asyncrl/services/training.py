@@ -268,7 +268,7 @@ class TrainingService:
 async def _json(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"the body is not JSON: {err}") from None
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
