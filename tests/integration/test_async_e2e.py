@@ -79,6 +79,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):
     assert os.path.isdir(Path(summary["run_dir"]) / "recover")
 
 
+@pytest.mark.slow  # ~30 s; CI covers retries in test_rollout_controller, timeouts in test_rewards
 def test_a_hanging_reward_is_timed_out_run_again_and_reported(tmp_path, tiny_model,
                                                               monkeypatch):
     marks = tmp_path / "marks"

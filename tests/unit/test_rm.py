@@ -4,6 +4,7 @@ toy preference, and the trained model as an RL reward function."""
 import json
 import math
 import pickle
+import re
 
 import pytest
 import torch
@@ -98,13 +99,19 @@ def test_whole_conversations_share_their_common_first_messages_as_the_prompt():
         preference_conversations({"chosen": row["chosen"], "rejected": head}, None)
 
 
-def test_a_bad_row_names_its_file_and_line(tmp_path):
+def test_a_bad_row_names_its_file_and_line(tmp_path, caplog):
     path = tmp_path / "prefs.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
                     + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
     with pytest.raises(DatasetError, match=r"prefs.jsonl:2: missing \['rejected'\]"):
-        load_preference_examples(OfflineDatasetConfig(path=str(path)), make_tiny_tokenizer(),
-                                 to_row=last_token_row)
+        load_preference_examples(OfflineDatasetConfig(path=str(path), bad_rows="error"),
+                                 make_tiny_tokenizer(), to_row=last_token_row)
+    with caplog.at_level("WARNING"):  # by default: left out, and named in one warning
+        pairs = load_preference_examples(OfflineDatasetConfig(path=str(path)),
+                                         make_tiny_tokenizer(), to_row=last_token_row)
+    assert len(pairs) == 1
+    assert re.search(r"skipped 1 malformed row\(s\) \(.*prefs.jsonl:2: missing \['rejected'\]",
+                     caplog.text)
 
 
 def test_rm_rows_are_the_rl_scorers_tokens_with_the_last_one_marked(tmp_path):
