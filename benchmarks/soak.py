@@ -39,7 +39,6 @@ from asyncrl.api.faults import POINTS
 from asyncrl.trainers import recover
 
 HERE = Path(__file__).resolve().parent
-EVAL_ITEMS = 104  # the quickstart's held-out set after overlap removal
 
 
 def overrides(args: argparse.Namespace, trial: str, steps: int) -> list[str]:

@@ -220,7 +220,8 @@ class RLTrainer:
             self._announce_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
-            stats["inference/server_restarts"] = float(self._restart_dead_servers())
+            self._restart_dead_servers()
+            stats["inference/server_restarts"] = float(self.server_restarts)
             self._record_batch(step, batch)
             self._record_failures(step)
             if self.agents is not None:
@@ -270,19 +271,19 @@ class RLTrainer:
         try:
             return self.publisher.publish(self.trainer, version=version)
         except WeightUpdateError as e:
-            if self.scheduler is None or not self._restart_dead_servers(checks=1, count=False):
+            if not self._restart_dead_servers(checks=1):
                 raise
             logger.warning("weight update v%d failed (%s); restarted the dead servers, "
                            "publishing again", version, e)
             return self.publisher.publish(self.trainer, version=version)
 
-    def _restart_dead_servers(self, checks: int = 2, count: bool = True) -> int:
+    def _restart_dead_servers(self, checks: int = 2) -> int:
         """Restart each inference server that failed its health check `checks` times in a
         row (its process dead, or alive but not answering); it rejoins routing once it
-        holds the current weights (the client re-syncs it). Returns the run's restart count
-        (`count`), or how many this call restarted."""
+        holds the current weights (the client re-syncs it). Returns how many this call
+        restarted (`server_restarts` counts the run's)."""
         if self.scheduler is None:
-            return self.server_restarts if count else 0
+            return 0
         restarted = 0
         for idx, ok in enumerate(self.scheduler.check_health("inference")):
             self._failed_checks[idx] = 0 if ok else self._failed_checks.get(idx, 0) + 1
@@ -300,7 +301,7 @@ class RLTrainer:
             self.rollout.run_coroutine(self.engine.check_servers())
             if self.agents is not None and not self.routed:  # the agent service's own client
                 self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
-        return self.server_restarts if count else restarted
+        return restarted
 
     def _announce_version(self, version: int) -> None:
         """The servers hold `version` now: the agent service and the rollout learn it."""
