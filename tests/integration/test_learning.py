@@ -19,13 +19,15 @@ from asyncrl.trainers.rl import train
 pytestmark = pytest.mark.integration
 
 SEED = 1
-STEPS = 100
-# Held-out greedy reward over 64 items, in six runs of this test: 0.25 before each, after
-# 0.59, 0.80, 0.79, 0.59 (seeds 1-4), >= 0.45 and 0.42 (seed 1, in two CI runs); the mean
-# training reward of the last 10 steps rose over that of the first 10 by more than 0.1.
-# Runs with one seed still differ (rollout timing decides which samples each step trains
-# on), so the test asks for less than every run gave.
-MARGIN = 0.1
+LR = 5e-4
+# Held-out greedy reward over 64 items is 0.25 before every run. At lr 1e-3 (this test's
+# first setting) one run in four collapsed onto one letter for every prompt within ten steps
+# (entropy 1.36 -> 0.05; after: 0.20-0.22, seen in CI and in 2 of 12 runs here). At lr 5e-4,
+# twelve runs (seeds 1-12): after 1.0 x5, 0.80 x3, 0.78, 0.77 x2, 0.63; the mean training
+# reward of the last 10 steps rose over that of the first 10 by 0.29 to 0.76. Runs with
+# one seed still differ (rollout timing decides which samples each step trains on), so the
+# test asks for less than every run gave.
+MARGIN = 0.2
 
 
 def test_rl_raises_the_held_out_reward(tmp_path):
@@ -33,7 +35,7 @@ def test_rl_raises_the_held_out_reward(tmp_path):
                        steps=10)
     cfg = load_config(None, [
         "experiment_name=learn", f"seed={SEED}", f"cluster.fileroot={tmp_path / 'runs'}",
-        f"actor.path={model}", "actor.dtype=float32", "actor.optimizer.lr=1e-3",
+        f"actor.path={model}", "actor.dtype=float32", f"actor.optimizer.lr={LR}",
         "local_engine.dtype=float32", "local_engine.max_batch_size=128",
         "local_engine.max_seq_len=64", "gconfig.n_samples=8", "gconfig.max_new_tokens=8",
         "train_dataset.path=python:toy_tasks:letter_items", "train_dataset.size=2048",
