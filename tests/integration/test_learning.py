@@ -19,6 +19,7 @@ from asyncrl.trainers.rl import train
 pytestmark = pytest.mark.integration
 
 SEED = 1
+STEPS = 100
 LR = 5e-4
 # Held-out greedy reward over 64 items is 0.25 before every run. At lr 1e-3 (this test's
 # first setting) one run in four collapsed onto one letter for every prompt within ten steps

@@ -472,3 +472,32 @@ def test_huge_zeros_reads_zero_writes_through_and_outlives_its_first_view():
     assert layer[2].float().mean() == 1.5 and torch.count_nonzero(layer) == 5 * (1 << 16)
     small = huge_zeros((4, 8), torch.float32)  # under a page: plain torch.zeros
     assert torch.equal(small, torch.zeros(4, 8))
+
+
+def seeded(ids: list[int], n: int, seed: int) -> GenerationRequest:
+    return GenerationRequest(input_ids=ids, sampling=SamplingParams(temperature=1.0,
+                                                                    max_new_tokens=n, seed=seed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the C sampler
+def test_a_seeded_request_samples_the_same_tokens_whatever_it_is_batched_with(tiny, dtype):
+    a = seeded([10, 11, 12, 13], 24, seed=7)
+    single = alone(tiny, a, dtype=dtype)
+    # the same request admitted mid-decode among unseeded and other seeded ones (a different
+    # slot, different neighbours, an engine whose shared stream is elsewhere)
+    engine, out = new_engine(tiny, dtype=dtype), {}
+    others = [GenerationRequest(input_ids=[50 + i, 60], sampling=SamplingParams(
+        temperature=1.0, max_new_tokens=30)) for i in range(2)] + [seeded([99, 98], 30, seed=8)]
+    for r in others:
+        submit(engine, r, out)
+    for _ in range(3):
+        engine.step()
+    again = GenerationRequest(input_ids=a.input_ids, sampling=a.sampling)  # a new rid
+    submit(engine, again, out)
+    drain(engine, out, 4)
+    assert out[again.rid].output_ids == single.output_ids
+    tol = FP32_TOL if dtype == "float32" else 2e-2
+    assert out[again.rid].output_logprobs == pytest.approx(single.output_logprobs, abs=tol)
+    # another seed, another answer (24 tokens from a random model at T = 1)
+    assert alone(tiny, seeded(a.input_ids, 24, seed=8), dtype=dtype).output_ids \
+        != single.output_ids

@@ -10,7 +10,7 @@ import openai
 import pytest
 from serving import serving
 
-from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason, mix_seed
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.services.openai_api import openai_app
 
@@ -28,9 +28,11 @@ class ScriptedEngine:
     def __init__(self, tokenizer, reply: str):
         self.reply_ids = tokenizer.encode(reply) + [tokenizer.eos_token_id]
         self.prompts: list[list[int]] = []
+        self.seeds: list[int | None] = []
 
     async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
         self.prompts.append(list(req.input_ids))
+        self.seeds.append(req.sampling.seed)
         ids = self.reply_ids[:req.sampling.max_new_tokens]
         reason = StopReason.STOP if len(ids) == len(self.reply_ids) else StopReason.LENGTH
         n = len(ids)
@@ -176,3 +178,18 @@ def test_a_template_that_renders_tools_gets_them_natively_with_arguments_as_obje
     assert text == ("<tools>get_weather</tools><|im_start|>user\nParis?<|im_end|>\n"
                     "<|im_start|>assistant\nCALL get_weather(Paris)<|im_end|>\n"
                     "<|im_start|>tool\n18 C<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_seed_gives_each_choice_its_own_stream(tok):
+    with scripted(tok, "ok") as (client, engine):
+        messages = [{"role": "user", "content": "hi"}]
+        client.chat.completions.create(model=MODEL, messages=messages, n=3, seed=5)
+        assert engine.seeds == [mix_seed(5, 0), mix_seed(5, 1), mix_seed(5, 2)]
+        assert len(set(engine.seeds)) == 3
+        engine.seeds.clear()
+        client.completions.create(model=MODEL, prompt="hi", seed=-3)  # OpenAI allows < 0
+        client.completions.create(model=MODEL, prompt="hi")
+        assert engine.seeds == [mix_seed(2**63 - 3, 0), None]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="hi", extra_body={"seed": "x"})
+        assert err.value.body["param"] == "seed"

@@ -155,3 +155,16 @@ def test_quickstart_recipe_is_a_valid_config_whose_gold_answers_score_one():
     assert not {i["question"] for i in kept} & {i["question"] for i in train}
     reward = resolve_reward_fn(cfg.workflow.reward_fn)
     assert all(reward(f"<answer>{i['answer']}</answer>", i) == 1.0 for i in items)
+
+
+def test_a_seeded_item_gives_each_sample_its_own_seed(tok):
+    from asyncrl.api.types import SAMPLING_SEED_KEY, mix_seed
+
+    engine = FakeEngine(tok, ["#### 18"])
+    workflow = make_workflow(tok)
+    asyncio.run(workflow.run(engine, {**ITEM, SAMPLING_SEED_KEY: 77}))
+    asyncio.run(workflow.run(engine, ITEM))
+    assert sorted(r.sampling.seed for r in engine.requests[:3]) == \
+        sorted(mix_seed(77, i) for i in range(3))
+    assert len({r.sampling.seed for r in engine.requests[:3]}) == 3
+    assert [r.sampling.seed for r in engine.requests[3:]] == [None] * 3

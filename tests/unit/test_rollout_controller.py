@@ -6,6 +6,7 @@ import random
 import pytest
 
 from asyncrl.api import StopReason, Trajectory
+from asyncrl.api.types import SAMPLING_SEED_KEY, mix_seed
 from asyncrl.rollout import RolloutController, RolloutError
 
 
@@ -55,11 +56,21 @@ class SleepyWorkflow:
         ]
 
 
-def make_controller(eta, B=4, workflow=None, max_concurrent=None, max_failed=16):
+def make_controller(eta, B=4, workflow=None, max_concurrent=None, max_failed=16, seed=None):
     return RolloutController(
         FakeEngine(), workflow or SleepyWorkflow(), ListStream(), consumer_batch_size=B,
         max_head_offpolicyness=eta, max_concurrent_rollouts=max_concurrent or B * (eta + 1),
-        max_failed_episodes=max_failed)
+        max_failed_episodes=max_failed, seed=seed)
+
+
+def state_after(ctrl, n_steps):
+    """Run `ctrl` for `n_steps` steps, stop it, and return its state (a checkpoint's)."""
+    ctrl.start()
+    try:
+        run_steps(ctrl, n_steps)
+        return ctrl.state_dict()
+    finally:
+        ctrl.stop()
 
 
 def run_steps(ctrl, n_steps, start=0):
@@ -207,6 +218,45 @@ def test_resume_loses_and_repeats_no_item():
     assert resumed.staleness.accepted >= (3 + 4) * B
 
 
+class SeedRecordingWorkflow(SleepyWorkflow):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seeds = {}
+
+    async def run(self, engine, item):
+        self.seeds.setdefault(item["n"], []).append(item.get(SAMPLING_SEED_KEY))
+        return await super().run(engine, item)
+
+
+def test_each_drawn_item_gets_its_seed_by_draw_number_and_keeps_it_over_a_resume():
+    eta, B = 1, 4
+    first = SeedRecordingWorkflow()
+    state = state_after(make_controller(eta, B=B, workflow=first, seed=11), 2)
+    second = SeedRecordingWorkflow()
+    resumed = make_controller(eta, B=B, workflow=second, seed=11)
+    resumed.load_state_dict(state)
+    resumed.start()
+    try:
+        run_steps(resumed, 2, start=2)
+    finally:
+        resumed.stop()
+    # item n is draw n + 1 of the run, before and after the resume; an item in flight at
+    # the checkpoint is run again with the seed it had
+    for workflow in (first, second):
+        for n, seeds in workflow.seeds.items():
+            assert seeds == [mix_seed(11, n + 1)] * len(seeds)
+    assert state["drawn"] == state["stream"]["position"] > 0
+    rerun = {item["n"] for item in state["pending"]}
+    assert rerun and rerun <= set(first.seeds) & set(second.seeds)
+    unseeded = make_controller(eta, B=B, workflow=SeedRecordingWorkflow())
+    unseeded.start()
+    try:
+        run_steps(unseeded, 1)
+        assert set(map(tuple, unseeded.workflow.seeds.values())) == {(None,)}
+    finally:
+        unseeded.stop()
+
+
 class DeadEngineWorkflow(SleepyWorkflow):
     async def run(self, engine, item):
         from asyncrl.api import InferenceError
@@ -288,13 +338,7 @@ def test_dynamic_sampling_keeps_the_staleness_bound(eta):
 
 
 def test_dynamic_sampling_counters_survive_a_resume():
-    ctrl = make_dapo_controller(0)
-    ctrl.start()
-    try:
-        run_steps(ctrl, 2)
-        state = ctrl.state_dict()
-    finally:
-        ctrl.stop()
+    state = state_after(make_dapo_controller(0), 2)
     resumed = make_dapo_controller(0)
     resumed.load_state_dict(state)
     resumed.start()

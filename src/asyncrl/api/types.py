@@ -33,6 +33,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past the model's EOS tokens (benchmarks, tests)
+    # The request's own random stream: the same seed, prompt and weights sample the same
+    # tokens whatever else the server batches with it. None: the server's shared stream.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -43,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +62,33 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
+            **({"seed": self.seed} if self.seed is not None else {}),
         }
+
+
+# The key under which the rollout gives an item its sampling seed (rollout.seeded_sampling).
+SAMPLING_SEED_KEY = "sampling_seed"
+
+
+def mix_seed(seed: int, *parts: int) -> int:
+    """A seed in [0, 2**63) derived from `seed` and `parts` (splitmix64 steps): the seed of
+    draw `parts` of a run, of sample `parts` of an item."""
+    x = seed % 2**64
+    for part in parts:
+        x = (x ^ (part % 2**64)) + 0x9E3779B97F4A7C15 & (2**64 - 1)
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & (2**64 - 1)
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & (2**64 - 1)
+        x ^= x >> 31
+    return x >> 1
+
+
+def piece_seed(seed: int | None, n_done: int) -> int | None:
+    """The seed of a generation continued after its first `n_done` tokens (a server resumed
+    after a weight update): `seed` itself for the first piece, and a new stream after it, so
+    that a continuation does not replay the draws its first piece used."""
+    if seed is None or n_done == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + n_done) % 2**63
 
 
 @dataclass(kw_only=True)

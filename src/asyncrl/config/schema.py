@@ -160,6 +160,11 @@ class RolloutConfig:
     # Runs of a failed episode's item before it counts as failed: a reward that crashed or
     # timed out, a sandbox that died. Every failed run is written to <run>/failures.jsonl.
     episode_retries: int = 1
+    # Each item drawn gets a seed from (seed, its draw number) and each sample its own random
+    # stream from it (SamplingParams.seed): the same weights sample the same tokens for it
+    # whatever the server batches with it, also when it is run again after a resume. Off:
+    # the servers' shared random stream.
+    seeded_sampling: bool = True
     # DAPO dynamic sampling: drop finished episodes (groups) whose trajectories all got the
     # same reward (zero advantage under group normalisation) and keep sampling until the
     # batch holds consumer_batch_size kept groups. Dropped groups free their slot.

@@ -347,7 +347,7 @@ class LocalEngine:
         """Prefill the prompts of `new` (slots start..) and sample their first tokens."""
         logits = self._prefill(new, start, [s.req.input_ids for s in new])
         sb = SamplingBatch.from_params([s.req.sampling for s in new], self.device)
-        tokens, logprobs = sample(logits, sb, self._generator)
+        tokens, logprobs = sample(logits, sb, self._generator, _draws(sb, new))
         self._last_token[start:start + len(new)] = tokens
         self._position[start:start + len(new)] = torch.tensor(
             [len(s.req.input_ids) for s in new], device=self.device)
@@ -382,7 +382,8 @@ class LocalEngine:
         logits = self._forward_prompts(n_old, prompts, decode=True, cached=cached)
         self._sampling = SamplingBatch.from_params([s.req.sampling for s in self._active],
                                                    self.device)
-        tokens, logprobs = sample(logits, self._sampling, self._generator)
+        tokens, logprobs = sample(logits, self._sampling, self._generator,
+                                  _draws(self._sampling, self._active))
         n = len(self._active)
         self._last_token[:n] = tokens
         self._position[:n_old] += 1
@@ -450,7 +451,8 @@ class LocalEngine:
             self._sampling = SamplingBatch.from_params(params, self.device)
         kv_len = max(s.n_tokens for s in self._active)  # positions so far, newest token included
         logits = self.model.decode(self._last_token[:n], self._position[:n], self.cache, kv_len)
-        tokens, logprobs = sample(logits, self._sampling, self._generator)
+        tokens, logprobs = sample(logits, self._sampling, self._generator,
+                                  _draws(self._sampling, self._active))
         self._last_token[:n] = tokens
         self._position[:n] += 1
         self._record(0, tokens, logprobs)
@@ -513,6 +515,14 @@ class LocalEngine:
             self._sampling = None
         for seq in seqs:
             seq.on_done(error)
+
+
+def _draws(sb: SamplingBatch, seqs: list[_Seq]) -> torch.Tensor | None:
+    """The draw number of each row's next token (its tokens so far), where a request seeds
+    its own random stream (`SamplingParams.seed`)."""
+    if not sb.any_seeded:
+        return None
+    return torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long)
 
 
 @contextlib.contextmanager

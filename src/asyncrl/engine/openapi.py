@@ -64,7 +64,8 @@ def openapi(model_name: str, *, api_key: bool) -> dict[str, Any]:
                     "top_k": {"type": "integer", "minimum": 0},
                     "stop_token_ids": _INT_LIST,
                     "stop": {"type": "array", "items": {"type": "string"}},
-                    "ignore_eos": {"type": "boolean"}}},
+                    "ignore_eos": {"type": "boolean"},
+                    "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}},
             }, ["input_ids"]),
             "/v1/completions": _post("OpenAI text completions", _OPENAI_SAMPLING | {
                 "prompt": {"oneOf": [{"type": "string"}, _INT_LIST]},

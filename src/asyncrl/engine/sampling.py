@@ -29,6 +29,9 @@ class SamplingBatch:
     any_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    seeds: torch.Tensor  # [B] long; the row's request seed (0 where it has none)
+    seeded: torch.Tensor  # [B] bool
+    any_seeded: bool
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams],
@@ -45,7 +48,54 @@ class SamplingBatch:
             any_greedy=any(greedy),
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
+            seeds=torch.tensor([p.seed or 0 for p in params], dtype=torch.long, device=device),
+            seeded=torch.tensor([p.seed is not None for p in params], dtype=torch.bool,
+                                device=device),
+            any_seeded=any(p.seed is not None and not p.greedy for p in params),
         )
+
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (C. Wellons' "lowbias32")."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The uniform number in [0, 1) of draw `counters` of the streams `seeds` (both [B] long,
+    seeds in [0, 2**63)): a pure function of the pair, so a request samples the same tokens
+    whatever it is batched with (counter-based, as Philox is)."""
+    h = _mix32((((seeds >> 32) & 0x7FFFFFFF) + _GOLDEN) & _M32)
+    h = _mix32(((h ^ (seeds & _M32)) + _GOLDEN) & _M32)
+    h = _mix32(((h ^ (counters & _M32)) + _GOLDEN) & _M32)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def draw_uniform(sb: SamplingBatch, generator: torch.Generator | None,
+                 counters: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One uniform number per row [B]: from the row's own stream where its request has a
+    seed (draw number `counters[row]`, its tokens sampled so far), else from `generator`."""
+    b = sb.temperature.shape[0]
+    if sb.all_greedy:
+        return torch.zeros(b, device=device)
+    u = torch.rand(b, generator=generator, device=device)
+    if sb.any_seeded:
+        if counters is None:
+            raise ValueError("seeded rows need their draw counters")
+        u = torch.where(sb.seeded, seeded_uniform(sb.seeds, counters.to(sb.seeds.device)), u)
+    return u
 
 
 def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -92,12 +142,13 @@ def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None,
-                block: int = 256) -> torch.Tensor:
+                block: int = 256, u: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of unnormalised `weights` [B, V] (>= 0); entries of 0 are never drawn.
 
     Inverts the CDF in two levels (which block, then where in it), so the only passes
     over the vocabulary are one block sum; torch.multinomial instead draws a random
-    number per entry (~30 ms for 32 x 49k on one core).
+    number per entry (~30 ms for 32 x 49k on one core). `u` [B]: the rows' uniform numbers
+    (default: drawn from `generator`).
     """
     b, v = weights.shape
     n_blocks = -(-v // block)
@@ -105,16 +156,21 @@ def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None,
         weights = F.pad(weights, (0, n_blocks * block - v))
     blocks = weights.view(b, n_blocks, block)
     cdf = blocks.sum(dim=-1).cumsum(dim=-1)
-    u = torch.rand((b, 1), generator=generator, device=weights.device) * cdf[:, -1:]
+    if u is None:
+        u = torch.rand((b, 1), generator=generator, device=weights.device)
+    u = u.reshape(b, 1).to(cdf.dtype) * cdf[:, -1:]
     blk = _first_above(cdf, u)
     before = torch.where(blk > 0, cdf.gather(-1, (blk - 1).clamp_min(0)), 0.0)
     inner = blocks[torch.arange(b, device=weights.device), blk[:, 0]].cumsum(dim=-1)
     return (blk * block + _first_above(inner, (u - before).contiguous()))[:, 0]
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None,
+           counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [B, V]; returns (tokens [B], logprobs [B] float32).
+
+    `counters` [B]: tokens each row's request sampled so far (its draw number), needed when
+    some request has a seed (`draw_uniform`).
 
     bf16 logits on CPU without top-k/top-p run in one C call (kernels/decode.c
     sample_rows_bf16: the same draw from the same uniform numbers, ~20x faster at B = 32).
@@ -123,7 +179,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch,
             and not (sb.any_top_k or sb.any_top_p)):
         kernels = DecodeKernels.load()
         if kernels is not None:
-            return _sample_with_kernel(kernels, logits, sb, generator)
+            return _sample_with_kernel(kernels, logits, sb,
+                                       draw_uniform(sb, generator, counters))
     logits = logits.float()
     if sb.all_greedy:
         tokens = logits.argmax(dim=-1)
@@ -134,18 +191,17 @@ def sample(logits: torch.Tensor, sb: SamplingBatch,
     log_norm = weights.sum(dim=-1, keepdim=True).log()  # log-probs are shifted - log_norm
     if sb.any_top_k or sb.any_top_p:
         weights = truncate(shifted, sb.top_k, sb.top_p, sb.any_top_k, sb.any_top_p).exp()
-    tokens = sample_from(weights, generator)
+    tokens = sample_from(weights, u=draw_uniform(sb, generator, counters, logits.device))
     if sb.any_greedy:
         tokens = torch.where(sb.greedy, logits.argmax(dim=-1), tokens)
     return tokens, (shifted.gather(-1, tokens[:, None]) - log_norm)[:, 0]
 
 
 def _sample_with_kernel(kernels, logits: torch.Tensor, sb: SamplingBatch,
-                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                        u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, v = logits.shape
     logits = logits.contiguous()
-    # One uniform number per row, drawn as `sample_from` draws it (the same random stream).
-    u = torch.zeros(b) if sb.all_greedy else torch.rand((b, 1), generator=generator)[:, 0]
+    u = u.contiguous()
     temperature = torch.where(sb.greedy, 0.0, sb.temperature).contiguous()
     threads = torch.get_num_threads()
     work = torch.empty(threads * (v + v // 256 + 1))

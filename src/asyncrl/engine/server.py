@@ -94,7 +94,8 @@ def parse_generation_request(body: Any) -> GenerationRequest:
               "top_p": isinstance(value, (int, float)) and not isinstance(value, bool),
               "stop_token_ids": _is_int_list(value),
               "stop": isinstance(value, list) and all(isinstance(s, str) for s in value),
-              "ignore_eos": isinstance(value, bool)}[key]
+              "ignore_eos": isinstance(value, bool),
+              "seed": value is None or _is_int(value)}[key]
         if not ok:
             raise BadRequest(f"sampling.{key} has the wrong type: {value!r}")
     try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.api.types import GenerationRequest, StopReason
+from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
 from asyncrl.inference.base import InferenceServerError, WeightBroadcast, WeightUpdateError
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
@@ -123,6 +123,8 @@ def generate_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]
             "stop": list(s.stop),
             "ignore_eos": s.ignore_eos,
             "skip_special_tokens": False,
+            **({"sampling_seed": piece_seed(s.seed, len(done_ids))} if s.seed is not None
+               else {}),
         },
         "return_logprob": True,
         # one rid per piece: SGLang refuses a rid that is still known to it

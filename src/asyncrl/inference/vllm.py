@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.api.types import GenerationRequest, StopReason
+from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
 from asyncrl.inference.base import InferenceServerError, WeightBroadcast, WeightUpdateError
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
@@ -121,6 +121,7 @@ def completion_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, An
         "stop_token_ids": list(s.stop_token_ids),
         "stop": list(s.stop),
         "ignore_eos": s.ignore_eos,
+        **({"seed": piece_seed(s.seed, len(done_ids))} if s.seed is not None else {}),
         "logprobs": 0,  # the sampled token's log-prob only
         "return_token_ids": True,
         "skip_special_tokens": False,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from asyncrl.api import Batch, InferenceEngine, InferenceError, Trajectory, Workflow
+from asyncrl.api.types import SAMPLING_SEED_KEY, mix_seed
 from asyncrl.rollout.staleness import StalenessManager
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class RolloutController:
     def __init__(self, engine: InferenceEngine, workflow: Workflow, stream: Any, *,
                  consumer_batch_size: int, max_head_offpolicyness: int,
                  max_concurrent_rollouts: int, max_failed_episodes: int = 16,
-                 episode_retries: int = 0,
+                 episode_retries: int = 0, seed: int | None = None,
                  should_accept: Callable[[list[Trajectory]], bool] | None = None) -> None:
         self.engine = engine
         self.workflow = workflow
@@ -84,6 +85,10 @@ class RolloutController:
             raise ValueError(f"rollout.episode_retries must be >= 0, got {episode_retries}")
         self.episode_retries = episode_retries
         self.should_accept = should_accept  # None: keep every finished episode
+        # Not None: each item drawn from the stream gets its sampling seed, from this and
+        # its draw number (`_drawn`), under SAMPLING_SEED_KEY (rollout.seeded_sampling).
+        self.seed = seed
+        self._drawn = 0
         self.staleness = StalenessManager(consumer_batch_size, max_head_offpolicyness,
                                           max_concurrent_rollouts)
         self._cond = threading.Condition()  # guards everything below
@@ -237,6 +242,7 @@ class RolloutController:
                                                   if r.external is None],
                 "buffer": list(self._buffer),
                 "next_seq": self._next_seq,
+                "drawn": self._drawn,
                 "counts": dict(self._counts),
                 "dropped_since_batch": self._dropped_since_batch,
             }
@@ -251,6 +257,7 @@ class RolloutController:
         self._pending = deque(state["pending"])
         self._buffer = list(state["buffer"])
         self._next_seq = state["next_seq"]
+        self._drawn = state.get("drawn", 0)  # older checkpoints: 0
         self._counts.update(state["counts"])
         self._dropped_since_batch = state.get("dropped_since_batch", 0)  # older checkpoints: 0
 
@@ -303,9 +310,17 @@ class RolloutController:
         for _ in range(self.staleness.capacity(self._version)):
             if not self._pending and self.stream is None:
                 return  # online: episodes start from outside (start_external)
-            item = self._pending.popleft() if self._pending else self.stream.next()
+            item = self._pending.popleft() if self._pending else self._draw()
             self._launch(_Running(item=item, start_version=self._version,
                                   attempt=self._attempts.pop(id(item), 0)))
+
+    def _draw(self) -> dict[str, Any]:
+        """The stream's next item, with its sampling seed when the run seeds sampling."""
+        item = self.stream.next()
+        self._drawn += 1
+        if self.seed is not None and isinstance(item, dict):
+            item = {**item, SAMPLING_SEED_KEY: mix_seed(self.seed, self._drawn)}
+        return item
 
     def _launch(self, running: _Running) -> None:
         seq, self._next_seq = self._next_seq, self._next_seq + 1

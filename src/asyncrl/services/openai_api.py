@@ -29,6 +29,7 @@ the first call goes out as it is made; the calls go out in the last chunk.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -40,7 +41,7 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
-from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason, mix_seed
 from asyncrl.services.detokenize import (
     IncrementalDetokenizer,
     detokenize,
@@ -168,9 +169,12 @@ class OpenAIRoutes:
     # ---- answering ----------------------------------------------------------------------
 
     def _requests(self, job: Job) -> list[GenerationRequest]:
-        """One request per choice: prompt i's n choices get indices i*n .. i*n+n-1."""
-        return [GenerationRequest(input_ids=p, sampling=job.sampling)
-                for p in job.prompts for _ in range(job.n)]
+        """One request per choice: prompt i's n choices get indices i*n .. i*n+n-1 (and, with
+        a seed, random streams derived from it by index)."""
+        seed = job.sampling.seed
+        return [GenerationRequest(input_ids=p, sampling=job.sampling if seed is None else
+                                  dataclasses.replace(job.sampling, seed=mix_seed(seed, index)))
+                for index, p in enumerate(p for p in job.prompts for _ in range(job.n))]
 
     async def _answer(self, request: web.Request, job: Job, *, chat: bool) -> web.StreamResponse:
         envelope = self._envelope(chat)

@@ -1,9 +1,10 @@
 """OpenAI request bodies checked and turned into token ids plus our `SamplingParams`.
 
 Every rejection is an `OpenAIError` whose `param` names the field, the way OpenAI's API
-answers. Fields we accept but do not act on: `seed` (the local engine has one random
-stream for all requests, so a per-request seed cannot be honoured), `user`, `metadata`,
-`store`, `parallel_tool_calls`, `service_tier`. Fields that would change the answer and that
+answers. `seed` gives the request its own random stream (choice i of n: a stream derived
+from it), so the same weights answer it the same way whatever else the server batches.
+Fields we accept but do not act on: `user`, `metadata`, `store`, `parallel_tool_calls`,
+`service_tier`. Fields that would change the answer and that
 we cannot honour (penalties, `logit_bias`, `echo`, `best_of`, top-k alternatives) are
 rejected when set to anything but their neutral value. Extensions (vLLM's names):
 `top_k`, `ignore_eos`, `stop_token_ids`.
@@ -23,8 +24,8 @@ from asyncrl.services.tool_calls import hermes_messages
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 4096  # when the context length is not known
 MAX_N = 64
-_IGNORED = {"seed", "user", "metadata", "store", "parallel_tool_calls", "service_tier"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "stream",
+_IGNORED = {"user", "metadata", "store", "parallel_tool_calls", "service_tier"}
+_COMMON = {"model", "seed", "max_tokens", "temperature", "top_p", "n", "stop", "stream",
            "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "top_k",
            "ignore_eos", "stop_token_ids"} | _IGNORED
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -133,7 +134,8 @@ def _sampling(body: dict, max_tokens: int, stop: list[str]) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 1e-9, 1.0), top_k=_int(body, "top_k", 0, lo=0),
-        stop=stop, stop_token_ids=ids, ignore_eos=_bool(body, "ignore_eos", False))
+        stop=stop, stop_token_ids=ids, ignore_eos=_bool(body, "ignore_eos", False),
+        seed=None if (seed := _int(body, "seed", None)) is None else seed % 2**63)
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:

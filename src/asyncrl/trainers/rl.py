@@ -130,6 +130,7 @@ class RLTrainer:
             max_concurrent_rollouts=cfg.rollout.concurrency,
             max_failed_episodes=cfg.rollout.max_failed_episodes,
             episode_retries=cfg.rollout.episode_retries,
+            seed=cfg.seed if cfg.rollout.seeded_sampling else None,
             should_accept=make_episode_filter(cfg.rollout.dynamic_sampling,
                                               cfg.rollout.dynamic_filter_fn))
         if self.agents is not None:
@@ -243,9 +244,11 @@ class RLTrainer:
         return self.trainer.train(batch.to_tensors(self.tokenizer.pad_token_id or 0))
 
     def _record_batch(self, step: int, batch: Batch) -> None:
-        """One line per step in <run>/batches.jsonl: which items and episodes it trained."""
+        """One line per step in <run>/batches.jsonl: which items and episodes it trained,
+        and each trajectory's reward."""
         line = {"step": step, "task_ids": [t.meta.get("task_id") for t in batch],
-                "group_ids": [t.group_id for t in batch]}
+                "group_ids": [t.group_id for t in batch],
+                "rewards": [t.meta.get("raw_reward", t.reward) for t in batch]}
         with open(self.paths.root / "batches.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -10,7 +10,14 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from asyncrl.api.protocols import InferenceEngine
-from asyncrl.api.types import GenerationRequest, GenerationResponse, SamplingParams, Trajectory
+from asyncrl.api.types import (
+    SAMPLING_SEED_KEY,
+    GenerationRequest,
+    GenerationResponse,
+    SamplingParams,
+    Trajectory,
+    mix_seed,
+)
 from asyncrl.config.schema import GenerationConfig, WorkflowConfig
 from asyncrl.data.prompts import build_messages, encode_chat
 from asyncrl.rewards.registry import resolve_reward_fn
@@ -109,8 +116,11 @@ class RLVRWorkflow:
                       group_id: str, index: int) -> Trajectory:
         """Generate one answer, then score it (scoring overlaps the group's other generations)."""
         t0 = time.perf_counter()
+        sampling = self.sampling
+        if item.get(SAMPLING_SEED_KEY) is not None:  # the rollout seeds each item's samples
+            sampling = dataclasses.replace(sampling, seed=mix_seed(item[SAMPLING_SEED_KEY], index))
         resp = await engine.agenerate(GenerationRequest(input_ids=list(prompt_ids),
-                                                        sampling=self.sampling))
+                                                        sampling=sampling))
         t1 = time.perf_counter()
         completion = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
         reward = 0.0 if self.reward is None else await self.reward.score(completion, item)
