@@ -337,3 +337,13 @@ def test_seeded_rows_need_their_draw_numbers():
         sample(torch.randn(1, 10), _batch(SamplingParams(seed=1)))
     with pytest.raises(ValueError, match="seed must be"):
         SamplingParams(seed=-1)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    # found by fuzzing the proxy: T = 1e-228 made logits / T overflow to nan, and the failed
+    # step failed every request in flight. Below 1e-5 (vLLM's bound) a row is greedy.
+    logits = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=1e-228), SamplingParams(temperature=9.9e-6)]
+    tokens, logprobs = sample(logits, _batch(*params), torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [1, 0] and bool(torch.isfinite(logprobs).all())
+    assert not SamplingParams(temperature=1e-5).greedy

@@ -22,9 +22,13 @@ class StopReason(str, enum.Enum):
     ABORT = "abort"  # the request was cancelled
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
-    """How to sample one completion; `temperature == 0` means greedy."""
+    """How to sample one completion; a temperature below GREEDY_BELOW (0 included) means
+    greedy, as in vLLM (dividing logits by it would overflow)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -51,7 +55,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -38,14 +38,13 @@ from asyncrl.engine.cpu import huge_empty
 from asyncrl.engine.engine import LocalEngine
 from asyncrl.engine.local_backend import LocalBackend
 from asyncrl.engine.model import CheckpointError, check_tensors, hf_shapes
-from asyncrl.engine.openapi import openapi
+from asyncrl.services import openapi
 from asyncrl.services.http import serve_app
-from asyncrl.services.openai_api import OpenAIRoutes, key_matches, unauthorized
+from asyncrl.services.openai_api import PUBLIC_PATHS, OpenAIRoutes, key_matches, unauthorized
 from asyncrl.weights import transport
 
 logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = {f.name: f.type for f in fields(SamplingParams)}
-PUBLIC_PATHS = ("/health", "/openapi.json")  # answered without the API key
 
 
 class BadRequest(ValueError):
@@ -198,7 +197,8 @@ class InferenceServer:
         return web.json_response(resp.to_dict())
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi(self.model_name, api_key=bool(self.api_key)))
+        return web.json_response(openapi.inference_server(self.model_name,
+                                                          api_key=bool(self.api_key)))
 
     async def pause(self, request: web.Request) -> web.Response:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.pause)

@@ -272,6 +272,7 @@ class AgentProxy:
         app = web.Application(client_max_size=_MAX_BODY)
         app.add_routes([
             web.get("/health", self._health),
+            web.get("/openapi.json", self._openapi),
             web.post("/rl/start_session", self._start_session),
             web.post("/rl/set_reward", self._set_reward),
             web.post("/rl/end_session", self._end_session),
@@ -321,6 +322,11 @@ class AgentProxy:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": self.version(),
                                   "active_sessions": len(self.store.active())})
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        from asyncrl.services import openapi
+
+        return web.json_response(openapi.agent_proxy(self.model_name))
 
     def is_admin(self, request: web.Request) -> bool:
         key = _bearer(request)
@@ -389,6 +395,10 @@ class AgentProxy:
     async def _session_call(self, request: web.Request,
                             allowed: set[str]) -> tuple[dict, Session] | web.Response:
         """The body of a /rl/* call about one session, and that session."""
+        if not self.is_admin(request):  # the key first: nothing is read for a wrong one
+            session = self._session(request)
+            if isinstance(session, web.Response):
+                return session
         body = await _rl_body(request, allowed | {"session_id"})
         if isinstance(body, web.Response):
             return body

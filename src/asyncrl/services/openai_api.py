@@ -88,11 +88,14 @@ def _answers_errors(method: Method) -> Method:
     return wrapped
 
 
+PUBLIC_PATHS = ("/health", "/openapi.json")  # answered without the API key
+
+
 def openai_auth(api_key: str | None):
     """Middleware: 401 in OpenAI's shape unless `Authorization: Bearer <api_key>`."""
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path != "/health" and not key_matches(request, api_key):
+        if api_key and request.path not in PUBLIC_PATHS and not key_matches(request, api_key):
             return unauthorized()
         return await handler(request)
     return auth
@@ -419,7 +422,15 @@ def openai_app(engine: Any, tokenizer: Any, model_name: str, *, api_key: str | N
                max_model_len: int | None = None,
                tool_parser: str | None = None) -> web.Application:
     """A stand-alone app serving the /v1 routes (the gateway's, and tests')."""
+    from asyncrl.services import openapi
+
     app = web.Application(middlewares=[openai_auth(api_key)])
     OpenAIRoutes(engine, tokenizer, model_name, max_model_len=max_model_len,
                  tool_parser=tool_parser).add_to(app)
+    spec = openapi.gateway(model_name, api_key=bool(api_key))
+
+    async def description(request: web.Request) -> web.Response:
+        return web.json_response(spec)
+
+    app.router.add_get("/openapi.json", description)
     return app

@@ -26,9 +26,12 @@ same order):
 Control is JSON; a batch travels as the bytes of a safetensors file of the `TensorBatch`
 fields (`encode_batch`), never as JSON numbers. When every rank is on the client's host the
 bytes are written once to shared memory (/dev/shm) and each rank is sent the file's name
-({"batch_file": path}, only files named asyncrl-batch-* there are read). If $ASYNCRL_API_KEY is set, every route
-but /health needs `Authorization: Bearer <key>`. A failing call answers 500 with the
-error and the rank; `TrainingClient` raises it naming the rank and address.
+({"batch_file": path}, only files named asyncrl-batch-* there are read). Paths to write or
+read must lie under cluster.fileroot. If $ASYNCRL_API_KEY is set, every route but /health
+and /openapi.json (the description, services/openapi.py) needs `Authorization: Bearer
+<key>`. A bad body answers 400, a path that does not exist 404, a call before the one it
+needs (/initialize, /weights/connect) 409, and a failing call 500, each with the error and
+the rank; `TrainingClient` raises it naming the rank and address.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +61,7 @@ from safetensors.torch import save as save_safetensors
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.services.http import serve_app
-from asyncrl.services.openai_api import key_matches
+from asyncrl.services.openai_api import PUBLIC_PATHS, key_matches
 
 logger = logging.getLogger(__name__)
 
@@ -127,12 +131,22 @@ def _dtype(name: str | None) -> torch.dtype | None:
 # ---- the service (one per rank) -------------------------------------------------------
 
 
-class TrainingService:
-    """HTTP routes over one `RLWorker`; its calls run one at a time on a worker thread."""
+class NotReady(RuntimeError):
+    """A call that needs an earlier one first (/initialize, /weights/connect): 409."""
 
-    def __init__(self, worker: Any, *, api_key: str | None = None) -> None:
+
+class TrainingService:
+    """HTTP routes over one `RLWorker`; its calls run one at a time on a worker thread.
+
+    The paths it writes and reads (/save_hf, /save_state, /load_state) must lie under
+    `root`, the runs' folder (cluster.fileroot); None: anywhere.
+    """
+
+    def __init__(self, worker: Any, *, api_key: str | None = None,
+                 root: str | os.PathLike | None = None) -> None:
         self.worker = worker
         self.api_key = api_key
+        self.root = None if root is None else Path(root).resolve()
         self.initialized = False
         self.rank = int(os.environ.get("RANK", "0"))
         # One thread: the worker's calls are collectives, taken in the order they arrive.
@@ -140,6 +154,7 @@ class TrainingService:
         self.app = web.Application(middlewares=[self._errors], client_max_size=2**34)
         self.app.add_routes([
             web.get("/health", self.health), web.get("/info", self.info),
+            web.get("/openapi.json", self.openapi),
             web.post("/initialize", self.initialize), web.post("/train", self.train),
             web.post("/compute_logprobs", self.compute_logprobs),
             web.post("/save_hf", self.save_hf), web.post("/save_state", self.save_state),
@@ -154,14 +169,21 @@ class TrainingService:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key and request.path != "/health" and not key_matches(request, self.api_key):
+        if self.api_key and request.path not in PUBLIC_PATHS \
+                and not key_matches(request, self.api_key):
             return web.json_response({"error": "missing or wrong API key", "rank": self.rank},
                                      status=401)
         try:
             return await handler(request)
         except web.HTTPException:
             raise
-        except (ValueError, KeyError, TypeError) as err:
+        except NotReady as err:
+            return web.json_response({"error": str(err), "rank": self.rank}, status=409)
+        except FileNotFoundError as err:
+            return web.json_response({"error": f"not found: {err}", "rank": self.rank},
+                                     status=404)
+        except (ValueError, KeyError, TypeError, NotADirectoryError, IsADirectoryError,
+                FileExistsError) as err:
             return web.json_response({"error": f"bad request: {err}", "rank": self.rank},
                                      status=400)
         except Exception as err:
@@ -174,10 +196,15 @@ class TrainingService:
 
     def _require_initialized(self) -> None:
         if not self.initialized:
-            raise RuntimeError("the trainer is not initialised; POST /initialize first")
+            raise NotReady("the trainer is not initialised; POST /initialize first")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "initialized": self.initialized})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from asyncrl.services import openapi
+
+        return web.json_response(openapi.training_service(api_key=bool(self.api_key)))
 
     async def info(self, request: web.Request) -> web.Response:
         self._require_initialized()
@@ -207,19 +234,19 @@ class TrainingService:
     async def save_hf(self, request: web.Request) -> web.Response:
         self._require_initialized()
         body = await _json(request)
-        await self._run(functools.partial(self.worker.save_hf, _path(body),
+        await self._run(functools.partial(self.worker.save_hf, self._path(body),
                                           _dtype(body.get("dtype")),
                                           with_critic=bool(body.get("with_critic", False))))
         return web.json_response({"ok": True})
 
     async def save_state(self, request: web.Request) -> web.Response:
         self._require_initialized()
-        await self._run(self.worker.save_state, _path(await _json(request)))
+        await self._run(self.worker.save_state, self._path(await _json(request)))
         return web.json_response({"ok": True})
 
     async def load_state(self, request: web.Request) -> web.Response:
         self._require_initialized()
-        await self._run(self.worker.load_state, _path(await _json(request)))
+        await self._run(self.worker.load_state, self._path(await _json(request)))
         return web.json_response({"ok": True})
 
     async def weights_connect(self, request: web.Request) -> web.Response:
@@ -238,14 +265,14 @@ class TrainingService:
     async def weights_gather(self, request: web.Request) -> web.Response:
         self._require_initialized()
         if self.sender is None:
-            raise RuntimeError("no broadcast group: POST /weights/connect first")
+            raise NotReady("no broadcast group: POST /weights/connect first")
         bucket_bytes = int((await _json(request))["bucket_bytes"])
         layout = await self._run(self.sender.gather, self.worker, bucket_bytes)
         return web.json_response({"layout": layout.to_body() if layout is not None else None})
 
     async def weights_broadcast(self, request: web.Request) -> web.Response:
         if self.sender is None:
-            raise RuntimeError("no broadcast group: POST /weights/connect first")
+            raise NotReady("no broadcast group: POST /weights/connect first")
         return web.json_response(await self._run(self.sender.broadcast))
 
     async def weights_free_port(self, request: web.Request) -> web.Response:
@@ -257,6 +284,17 @@ class TrainingService:
         if self.sender is not None:
             self.sender.close()
         return web.json_response({"ok": True})
+
+    def _path(self, body: dict[str, Any]) -> str:
+        """The body's `path`, which must lie under the runs' folder."""
+        path = _str(body, "path")
+        if self.root is not None:
+            resolved = Path(path).resolve()
+            if not resolved.is_relative_to(self.root):
+                raise ValueError(f"path {path!r} is outside the runs' folder {self.root} "
+                                 "(cluster.fileroot)")
+            return str(resolved)
+        return path
 
     async def destroy(self, request: web.Request) -> web.Response:
         if self.initialized:
@@ -273,10 +311,6 @@ async def _json(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body
-
-
-def _path(body: dict[str, Any]) -> str:
-    return _str(body, "path")
 
 
 def _str(body: dict[str, Any], key: str) -> str:
@@ -514,7 +548,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
-    service = TrainingService(RLWorker(cfg), api_key=os.environ.get("ASYNCRL_API_KEY") or None)
+    from asyncrl.trainers.paths import fileroot
+
+    service = TrainingService(RLWorker(cfg), api_key=os.environ.get("ASYNCRL_API_KEY") or None,
+                              root=fileroot(cfg))
     rank = os.environ.get("RANK", "0")
     asyncio.run(serve_app(service.app, host=args.host, port=args.port,
                           banner=f"asyncrl training service rank {rank}"))

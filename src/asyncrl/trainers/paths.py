@@ -17,8 +17,7 @@ class RunPaths:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> RunPaths:
-        fileroot = Path(cfg.cluster.fileroot) if cfg.cluster.fileroot else cache_dir() / "experiments"
-        root = fileroot.expanduser().resolve() / cfg.experiment_name / cfg.trial_name
+        root = fileroot(cfg) / cfg.experiment_name / cfg.trial_name
         root.mkdir(parents=True, exist_ok=True)
         return cls(root)
 
@@ -37,6 +36,12 @@ class RunPaths:
     @property
     def recover(self) -> Path:
         return self.root / "recover"
+
+
+def fileroot(cfg: ExperimentConfig) -> Path:
+    """The folder of all runs' folders (cluster.fileroot, else the user cache's), resolved."""
+    root = Path(cfg.cluster.fileroot) if cfg.cluster.fileroot else cache_dir() / "experiments"
+    return root.expanduser().resolve()
 
 
 def setup_logging(root: Path) -> None:
