@@ -40,3 +40,41 @@ def read_address(proc, timeout: float) -> str:
             return seen[-1].rsplit("listening on ", 1)[1].strip()
     tail = "".join(seen[-20:])
     raise RuntimeError(f"server did not start (exit code {proc.poll()}):\n{tail}")
+
+
+def kill_after_step(run: Path, stop, role: str, index: int = 0, step: int = 1) -> None:
+    """SIGKILL the process group of worker `index` of `role` (its pid from the run's
+    services.json) once `step` is logged in stats.jsonl, unless `stop` is set first."""
+    import json
+    import os
+    import signal
+    import time
+
+    while not stop.is_set():
+        try:
+            logged = (run / "stats.jsonl").read_text()
+            workers = json.loads((run / "services.json").read_text())["workers"]
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        if f'"step": {step},' in logged or f'"step": {step}}}' in logged:
+            pid = next(w["pid"] for w in workers if w["role"] == role and w["index"] == index)
+            os.killpg(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+def train_killing(cfg, run: Path, role: str, index: int = 0) -> dict:
+    """`train(cfg)` while worker `index` of `role` is SIGKILLed once step 1 is logged."""
+    import threading
+
+    from asyncrl.trainers.rl import train
+
+    stop = threading.Event()
+    killer = threading.Thread(target=kill_after_step, args=(run, stop, role, index))
+    killer.start()
+    try:
+        return train(cfg)
+    finally:
+        stop.set()
+        killer.join()

@@ -140,3 +140,33 @@ def test_agent_service_process_runs_inline_agents(tmp_path, tiny_model, router):
     for line in (Path(summary["run_dir"]) / "batches.jsonl").read_text().splitlines():
         trained |= set(json.loads(line)["group_ids"])
     assert len(trained) == 2 * 2  # 2 steps x 2 episodes, each one group
+
+
+def test_a_killed_agent_service_is_restarted_and_no_lost_session_is_trained(tmp_path,
+                                                                             tiny_model):
+    """The agent service SIGKILLed once step 1 is logged, sessions in flight: the trainer
+    restarts it, the lost sessions' episodes fail (reported) and run again, and every
+    trained trajectory is a whole session that the service recorded as ended."""
+    from procs import train_killing
+
+    export = tmp_path / "sessions"
+    cfg = tiny_run_config(tmp_path, tiny_model, "workflow.type=agent",
+                          "agent.fn=toy_agents:two_turns_slowly", f"agent.export_dir={export}",
+                          "scheduler.agent=service", "total_train_steps=4",
+                          "rollout.episode_retries=2", name="agent-kill")
+    run = tmp_path / "runs" / "agent-kill" / cfg.trial_name
+    summary = train_killing(cfg, run, "agent")
+    rows = _train_rows(summary)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["agent/service_restarts"] == 1 and rows[-1]["rollout/episodes_failed"] == 0
+    assert "the agent service failed" in (run / "logs" / "trainer.log").read_text()
+    # the sessions in flight at the kill: their episodes failed and were run again
+    failures = [json.loads(x) for x in (run / "failures.jsonl").read_text().splitlines()]
+    assert failures and all(f["retried"] for f in failures)
+    # what was trained: whole sessions, each recorded as ended (two turns) by a service
+    ended = {s["session_id"]: s for s in map(json.loads, (export / "sessions.jsonl").read_text()
+                                     .splitlines()) if s["status"] == "ended"}
+    batches = [json.loads(x) for x in (run / "batches.jsonl").read_text().splitlines()]
+    trained = [sid for b in batches for sid in b["session_ids"]]
+    assert len(set(trained)) == 4 * 2 * 2  # 4 steps x 2 items x 2 samples, one trajectory each
+    assert all(sid in ended and len(ended[sid]["completions"]) == 2 for sid in trained)

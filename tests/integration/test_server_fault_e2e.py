@@ -1,51 +1,23 @@
 """An inference server killed mid-run: routed around, restarted, re-synced; nothing lost."""
 
 import json
-import os
-import signal
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from procs import train_killing
 from tiny_run import tiny_run_config
 
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
-
-
-def _kill_server_after_first_step(run: Path, stop: threading.Event, index: int = 1) -> None:
-    """SIGKILL inference server `index` once step 1 is logged (its pid from services.json)."""
-    while not stop.is_set():
-        try:
-            logged = (run / "stats.jsonl").read_text()
-            workers = json.loads((run / "services.json").read_text())["workers"]
-        except (OSError, ValueError):
-            time.sleep(0.05)
-            continue
-        if '"step": 1' in logged:
-            pid = next(w["pid"] for w in workers
-                       if w["role"] == "inference" and w["index"] == index)
-            os.killpg(pid, signal.SIGKILL)
-            return
-        time.sleep(0.05)
 
 
 def _train_killing_server(cfg, run: Path, index: int) -> dict:
     """Train `cfg` while server `index` is killed after step 1; check that nothing was lost:
     6 steps, one restart, the staleness bound, no episode or item trained twice."""
-    stop = threading.Event()
-    killer = threading.Thread(target=_kill_server_after_first_step, args=(run, stop, index))
-    killer.start()
-    try:
-        summary = train(cfg)
-    finally:
-        stop.set()
-        killer.join()
+    summary = train_killing(cfg, run, "inference", index)
     rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[-1]["inference/server_restarts"] == 1

@@ -52,3 +52,17 @@ async def _main() -> None:
 
 if __name__ == "__main__":
     asyncio.run(_main())
+
+
+async def two_turns_slowly(base_url: str, api_key: str, item: dict) -> float:
+    """`two_turns` with a pause between the turns: sessions stay open long enough for a
+    test to kill the agent service while some are in flight."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": item["question"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    await asyncio.sleep(0.5)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    await client.close()
+    return text_hash(second.choices[0].message.content or "", item)

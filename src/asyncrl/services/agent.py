@@ -230,18 +230,39 @@ class AgentClient:
     Its coroutines run on the rollout loop (one aiohttp session there).
     """
 
-    def __init__(self, address: str, admin_key: str, *, timeout: float = 60.0) -> None:
-        self.address = address.rstrip("/")
-        self.base_url = self.address + "/v1"
+    def __init__(self, address: str, admin_key: str, *, timeout: float = 60.0,
+                 wait_timeout: float = 120.0) -> None:
+        self.move(address)
         self.timeout = timeout
+        # Seconds a session call waits for a service it cannot connect to (dead, being
+        # restarted by the trainer) before it fails.
+        self.wait_timeout = wait_timeout
         self._headers = {"Authorization": f"Bearer {admin_key}"}
         self._http: aiohttp.ClientSession | None = None
         self._abandoned: set[asyncio.Task] = set()
         self._closed = False
 
-    async def _post(self, path: str, body: dict[str, Any], *,
-                    timeout: float | None = -1.0) -> dict[str, Any] | None:
-        """POST `path`; `timeout` seconds (default: the client's; None: no limit)."""
+    def move(self, address: str) -> None:
+        """The service is (now) at `address` (it was restarted there)."""
+        self.address = address.rstrip("/")
+        self.base_url = self.address + "/v1"
+
+    async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = -1.0,
+                    wait: bool = False) -> dict[str, Any] | None:
+        """POST `path`; `timeout` seconds (default: the client's; None: no limit). `wait`:
+        while the service cannot be connected to, try again for up to `wait_timeout`."""
+        deadline = asyncio.get_running_loop().time() + (self.wait_timeout if wait else 0.0)
+        while True:
+            try:
+                return await self._post_once(path, body, timeout)
+            except AgentServiceError as e:
+                if not isinstance(e.__cause__, aiohttp.ClientConnectorError) \
+                        or asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(0.5)
+
+    async def _post_once(self, path: str, body: dict[str, Any],
+                         timeout: float | None) -> dict[str, Any] | None:
         if self._http is None:
             self._http = aiohttp.ClientSession(headers=self._headers)
         total = self.timeout if timeout == -1.0 else timeout
@@ -264,7 +285,7 @@ class AgentClient:
         body: dict[str, Any] = {"task_id": task_id, "sampling": sampling, "admitted": True}
         if start_version is not None:
             body["start_version"] = start_version
-        out = await self._post("/rl/start_session", body)
+        out = await self._post("/rl/start_session", body, wait=True)
         return out["session_id"], out["api_key"]
 
     async def close(self, session_id: str, *, reward: float | None = None,
@@ -274,7 +295,7 @@ class AgentClient:
             body["reward"] = reward
         if failure is not None:
             body["failure"] = failure
-        out = await self._post("/rl/close_session", body)
+        out = await self._post("/rl/close_session", body, wait=True)
         return out["outcome"], Session.from_record(out["session"])
 
     def abandon(self, session_id: str, reason: str) -> None:

@@ -97,6 +97,15 @@ class AgentRuntime:
         if self.service is not None:
             await self.service.replace_server(index, address)
 
+    async def service_restarted(self, address: str, version: int,
+                                servers: list[tuple[int, str]]) -> None:
+        """The agent service runs again at `address`: sessions open there from now on; it
+        learns the served `version` and the inference servers' current addresses."""
+        self.service.move(address)
+        await self.service.set_version(version)
+        for index, server in servers:
+            await self.service.replace_server(index, server)
+
     async def _grant_pump(self) -> None:
         """Keep one open grant per session the staleness bound allows now (service, online).
 

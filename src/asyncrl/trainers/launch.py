@@ -210,7 +210,8 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         [worker] = scheduler.create_workers(agent_spec(
             cfg, str(paths.root / "config.yaml"), addresses, admin_key=admin_key,
             inference_key=inference_key, local=local, router=router))
-        agent = AgentClient(worker.address, admin_key)
+        agent = AgentClient(worker.address, admin_key,
+                            wait_timeout=cfg.rollout.server_wait_timeout)
         logger.info("agent service: %s", worker.address)
     if not service:
         if local:

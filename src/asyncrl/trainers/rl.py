@@ -24,7 +24,7 @@ from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_cur
 from asyncrl.observe.timeline import Timeline, plot_timeline
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
 from asyncrl.scheduler.base import Scheduler, SchedulerError, log_tail, make_scheduler
-from asyncrl.services.agent import AgentClient
+from asyncrl.services.agent import AgentClient, AgentServiceError
 from asyncrl.services.router import RouterClient, fetch_state
 from asyncrl.services.training import TrainingServiceError
 from asyncrl.services.weight_update import WeightUpdateClient
@@ -90,7 +90,9 @@ class RLTrainer:
         self.cfg, self.paths = cfg, paths
         self.scheduler = scheduler  # restarts dead inference servers (None: nobody does)
         self.server_restarts = 0
-        self._failed_checks: dict[int, int] = {}  # server -> health checks failed in a row
+        self.agent_service_restarts = 0
+        # server index (or "agent", the agent service) -> health checks failed in a row
+        self._failed_checks: dict[int | str, int] = {}
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.routed = router is not None  # a router service routes for every client
         self.timeline = Timeline(paths.root / "timeline.jsonl")
@@ -223,6 +225,8 @@ class RLTrainer:
             stats |= _throughput(batch, timer.stats())
             self._restart_dead_servers()
             stats["inference/server_restarts"] = float(self.server_restarts)
+            if self.agents is not None and self.agents.service is not None:
+                stats["agent/service_restarts"] = float(self.agent_service_restarts)
             self._record_batch(step, batch)
             self._record_failures(step)
             if self.agents is not None:
@@ -249,6 +253,8 @@ class RLTrainer:
         line = {"step": step, "task_ids": [t.meta.get("task_id") for t in batch],
                 "group_ids": [t.group_id for t in batch],
                 "rewards": [t.meta.get("raw_reward", t.reward) for t in batch]}
+        if any("session_id" in t.meta for t in batch):  # agent sessions
+            line["session_ids"] = [t.meta.get("session_id") for t in batch]
         with open(self.paths.root / "batches.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -304,12 +310,41 @@ class RLTrainer:
             self.rollout.run_coroutine(self.engine.check_servers())
             if self.agents is not None and not self.routed:  # the agent service's own client
                 self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
-        return restarted
+        return restarted + self._restart_dead_agent_service(checks)
+
+    def _restart_dead_agent_service(self, checks: int, version: int | None = None) -> int:
+        """Restart the agent service (scheduler.agent=service) once it failed `checks` health
+        checks in a row. Its sessions in flight died with it: their agents' calls fail (the
+        new process answers their keys 410 session_lost) and closing them fails, so each
+        such episode fails, is reported in failures.jsonl and runs again
+        (rollout.episode_retries); nothing of them is trained. The new process is told the
+        served weight version (`version`, default the rollout's) and the servers' addresses
+        before it opens a session."""
+        if self.scheduler is None or self.agents is None or self.agents.service is None:
+            return 0
+        ok = all(self.scheduler.check_health("agent"))
+        self._failed_checks["agent"] = 0 if ok else self._failed_checks.get("agent", 0) + 1
+        if self._failed_checks["agent"] < checks:
+            return 0
+        logger.warning("the agent service failed %d health check(s); restarting it (its "
+                       "sessions in flight are lost and their episodes run again)", checks)
+        worker = self.scheduler.restart_worker("agent", 0)
+        self._failed_checks["agent"] = 0
+        self.agent_service_restarts += 1
+        servers = [] if self.routed else list(enumerate(self.engine.addresses))
+        self.rollout.run_coroutine(self.agents.service_restarted(
+            worker.address, self.rollout.version if version is None else version, servers))
+        return 1
 
     def _announce_version(self, version: int) -> None:
         """The servers hold `version` now: the agent service and the rollout learn it."""
         if self.agents is not None:
-            self.rollout.run_coroutine(self.agents.set_version(version))
+            try:
+                self.rollout.run_coroutine(self.agents.set_version(version))
+            except AgentServiceError:
+                # a dead agent service learns the version when it is restarted
+                if not self._restart_dead_agent_service(checks=1, version=version):
+                    raise
         self.rollout.set_version(version)
 
     def _periodic(self, step: int) -> None:
