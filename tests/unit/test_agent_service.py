@@ -177,3 +177,42 @@ def test_controller_routes_need_the_admin_key_and_name_bad_fields(tokenizer):
     assert res["version"][0] == 200 and version == 4
     assert res["server"][0] == 200 and engine.addresses[1] == "http://127.0.0.1:9"
     assert engine.checked == 1
+
+
+def test_session_calls_wait_for_a_service_that_comes_back_and_others_do_not(tokenizer):
+    """AgentClient.open waits (up to wait_timeout) while the service cannot be connected to:
+    the trainer is restarting it. Calls that are not a session's fail at once."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        url = f"http://127.0.0.1:{port}"
+        gone = AgentClient(url, ADMIN, wait_timeout=0.6)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(AgentServiceError, match="Cannot connect"):
+            await gone.open(task_id="t", sampling={})
+        waited = loop.time() - t0
+        with pytest.raises(AgentServiceError, match="Cannot connect"):
+            await gone.set_version(3)
+        at_once = loop.time() - t0 - waited
+        await gone.close_client()
+
+        client = AgentClient(url, ADMIN, wait_timeout=20)
+        opening = asyncio.create_task(client.open(task_id="t", sampling={}))
+        await asyncio.sleep(0.8)  # the service comes back on its port
+        engine = Servers(tokenizer, ["x"])
+        proxy = AgentProxy(engine, tokenizer, "policy", admin_key=ADMIN)
+        AgentService(proxy, engine)
+        await proxy.start("127.0.0.1", port)
+        sid, key = await asyncio.wait_for(opening, 10)
+        await client.close_client()
+        await proxy.stop()
+        return waited, at_once, sid, key
+
+    waited, at_once, sid, key = run(main())
+    assert 0.5 <= waited < 3 and at_once < 0.4
+    assert sid and key
