@@ -425,3 +425,37 @@ def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenize
         assert t.input_ids[-n:] == out_ids and t.loss_mask[-n:] == [1] * n
         assert sum(t.loss_mask) == n
         assert t.behavior_logprobs[-n:] == pytest.approx([-0.01 * j for j in range(n)])
+
+
+class StuckEngine(ScriptedEngine):
+    async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
+        await asyncio.sleep(120)  # a generation that will not end before the run does
+        raise AssertionError("unreachable")
+
+
+def test_stopping_the_proxy_does_not_wait_for_generations_in_flight(tokenizer):
+    """A run's exit stops its proxy while agents still wait on generations: the requests in
+    flight get SHUTDOWN_GRACE_S, not aiohttp's 60 s (CI once timed out there)."""
+    from asyncrl.services.http import SHUTDOWN_GRACE_S
+
+    async def main():
+        proxy = AgentProxy(StuckEngine(tokenizer, ["x"]), tokenizer, "policy", admin_key=ADMIN)
+        await proxy.start("127.0.0.1", 0)
+        _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {"task_id": "t"})
+        client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=s["api_key"],
+                                    max_retries=0, timeout=60)
+        call = asyncio.create_task(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]))
+        await asyncio.sleep(0.3)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await proxy.stop()
+        took = loop.time() - t0
+        with pytest.raises(openai.APIError):
+            await call
+        return took, proxy.store.by_id[s["session_id"]].status
+
+    took, status = run(main())
+    # aiohttp waits twice (closing the site, then the server): 2 x 3 s here, not 2 x 60
+    assert took < 2 * SHUTDOWN_GRACE_S + 3
+    assert status is SessionStatus.CANCELLED

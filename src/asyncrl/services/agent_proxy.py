@@ -54,6 +54,7 @@ from asyncrl.agents.capture import Completion
 from asyncrl.agents.session import LOST, Session, SessionError, SessionStatus, SessionStore
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.services.detokenize import detokenize
+from asyncrl.services.http import SHUTDOWN_GRACE_S
 from asyncrl.services.openai_api import OpenAIRoutes, _checked_body, _json_or_none
 from asyncrl.services.openai_protocol import OpenAIError
 
@@ -291,7 +292,8 @@ class AgentProxy:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on the running loop; returns the base URL (http://host:port/v1)."""
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None,
+                                     shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

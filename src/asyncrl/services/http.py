@@ -28,6 +28,12 @@ def bearer_auth(api_key: str | None, open_paths: tuple[str, ...] = ("/health",))
     return auth
 
 
+# Seconds a shutting-down server lets requests in progress finish before it cancels them
+# (aiohttp's default is 60: a stopping agent proxy held the run's exit while agents still
+# waited on generations).
+SHUTDOWN_GRACE_S = 3.0
+
+
 async def serve_app(app: web.Application, *, host: str, port: int, banner: str,
                     before_cleanup: Callable[[], Awaitable[None]] | None = None,
                     stop: asyncio.Event | None = None) -> None:
@@ -43,7 +49,7 @@ async def serve_app(app: web.Application, *, host: str, port: int, banner: str,
     signals = (signal.SIGTERM, signal.SIGINT) if in_main else ()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     bound = runner.addresses[0]
