@@ -23,6 +23,9 @@ from asyncrl.trainers.rl import train
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
+# Slow (make test-slow) to keep CI within its time: 45 s, a Python process per sample;
+# test_agent_e2e.py runs a subprocess agent in CI.
+SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,9 @@ def test_there_are_agent_examples():
     assert {"multiturn_math", "online", "openai_agents"} <= names
 
 
-@pytest.mark.parametrize("path", CPU_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_EXAMPLES else p
+    for p in CPU_CONFIGS], ids=lambda p: p.name)
 def test_agent_example_runs_two_steps(path, tmp_path, tiny_model, monkeypatch):
     monkeypatch.chdir(REPO)  # the configs name their agent files relative to the repository
     raw = yaml.safe_load(path.read_text())

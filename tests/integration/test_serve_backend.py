@@ -15,6 +15,7 @@ from asyncrl.models.tiny import make_tiny_model
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
 
 
+@pytest.mark.slow  # 52 s; vLLM runs in CI through test_vllm_grpo.py and test_vllm_backend.py
 def test_openai_client_through_the_gateway_to_a_vllm_server(tmp_path):
     model = make_tiny_model(tmp_path / "m", arch="llama", seed=3)
     proc = subprocess.Popen(
