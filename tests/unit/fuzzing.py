@@ -37,3 +37,34 @@ def fuzz(url: str, headers: dict[str, str], *, examples: int = 25,
 
             call()
     return calls
+
+
+def assert_idle_connections_do_not_starve(url: str, path: str, body: dict,
+                                          headers: dict[str, str], n: int = 200) -> None:
+    """`n` half-sent requests held open to `url` do not hold up a real request to `path`
+    (answered 200 within 10 s)."""
+    import socket
+    import time
+
+    host, port = url.removeprefix("http://").split(":")
+    idle = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{"
+                      .encode())
+            idle.append(s)
+        start = time.monotonic()
+        r = requests.post(url + path, headers=headers, json=body, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - start < 10, r.text[:300]
+    finally:
+        for s in idle:
+            s.close()
+        time.sleep(0.5)  # the server sees them go before the test's loop stops
+
+
+def oversized_status(url: str, path: str, headers: dict[str, str], mib: int) -> int:
+    """The status of a `mib` MiB JSON body posted to `path`."""
+    body = b'{"prompt": "' + b"x" * (mib << 20) + b'"}'
+    return requests.post(url + path, data=body, timeout=60,
+                         headers=headers | {"Content-Type": "application/json"}).status_code

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 import requests
-from fuzzing import fuzz
+from fuzzing import assert_idle_connections_do_not_starve, fuzz, oversized_status
 from serving import serving
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse
@@ -96,6 +96,22 @@ def test_the_agent_proxy_answers_every_request_of_its_description_below_500(engi
         assert {s for _, s in keyless} == {401}, keyless
     # every session the fuzzing left was ended cleanly or is still active: none broke
     assert proxy.store.counts.get("error", 0) == 0
+
+
+def test_the_gateway_and_the_proxy_refuse_large_bodies_and_survive_idle_connections(
+        engine, tokenizer):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with serving(openai_app(engine, tokenizer, MODEL, api_key=KEY, max_model_len=128)) as url:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert oversized_status(url, "/v1/completions", headers, mib=2) == 413  # > 1 MiB
+        assert_idle_connections_do_not_starve(url, "/v1/chat/completions", chat, headers)
+    proxy = AgentProxy(engine, tokenizer, MODEL, admin_key=ADMIN)
+    with serving(proxy.app()) as url:
+        start = requests.post(f"{url}/rl/start_session", json={"task_id": "big"}, timeout=10,
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+        headers = {"Authorization": f"Bearer {start.json()['api_key']}"}
+        assert oversized_status(url, "/v1/completions", headers, mib=9) == 413  # > 8 MiB
+        assert_idle_connections_do_not_starve(url, "/v1/chat/completions", chat, headers)
 
 
 @pytest.fixture
