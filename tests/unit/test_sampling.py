@@ -347,3 +347,17 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
     tokens, logprobs = sample(logits, _batch(*params), torch.Generator().manual_seed(0))
     assert tokens.tolist() == [1, 0] and bool(torch.isfinite(logprobs).all())
     assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_vllm_and_sglang_get_the_seed_and_a_new_stream_for_each_continuation():
+    from asyncrl.api.types import mix_seed, piece_seed
+    from asyncrl.inference.sglang import generate_body
+    from asyncrl.inference.vllm import completion_body
+
+    req = GenerationRequest(input_ids=[1, 2], sampling=SamplingParams(seed=5, max_new_tokens=8))
+    assert completion_body(req, [])["seed"] == 5
+    assert completion_body(req, [7, 8])["seed"] == piece_seed(5, 2) == mix_seed(5, 2) != 5
+    assert generate_body(req, [7])["sampling_params"]["sampling_seed"] == mix_seed(5, 1)
+    plain = GenerationRequest(input_ids=[1], sampling=SamplingParams())
+    assert "seed" not in completion_body(plain, [])
+    assert "sampling_seed" not in generate_body(plain, [])["sampling_params"]

@@ -90,9 +90,7 @@ def piece_seed(seed: int | None, n_done: int) -> int | None:
     """The seed of a generation continued after its first `n_done` tokens (a server resumed
     after a weight update): `seed` itself for the first piece, and a new stream after it, so
     that a continuation does not replay the draws its first piece used."""
-    if seed is None or n_done == 0:
-        return seed
-    return (seed * 0x9E3779B97F4A7C15 + n_done) % 2**63
+    return seed if seed is None or n_done == 0 else mix_seed(seed, n_done)
 
 
 @dataclass(kw_only=True)

@@ -223,7 +223,7 @@ class RLTrainer:
             self._announce_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
-            self._restart_dead_servers()
+            self._restart_dead_workers()
             stats["inference/server_restarts"] = float(self.server_restarts)
             if self.agents is not None and self.agents.service is not None:
                 stats["agent/service_restarts"] = float(self.agent_service_restarts)
@@ -272,7 +272,7 @@ class RLTrainer:
             try:
                 return self.rollout.next_batch(timeout=SERVER_CHECK_S)
             except TimeoutError:
-                self._restart_dead_servers()
+                self._restart_dead_workers()
 
     def _publish(self, version: int) -> dict[str, float]:
         """Publish `version`; if that failed because servers died, restart them and publish
@@ -310,7 +310,13 @@ class RLTrainer:
             self.rollout.run_coroutine(self.engine.check_servers())
             if self.agents is not None and not self.routed:  # the agent service's own client
                 self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
-        return restarted + self._restart_dead_agent_service(checks)
+        return restarted
+
+    def _restart_dead_workers(self) -> None:
+        """The inference servers and the agent service that failed two health checks in a
+        row, restarted."""
+        self._restart_dead_servers()
+        self._restart_dead_agent_service(checks=2)
 
     def _restart_dead_agent_service(self, checks: int, version: int | None = None) -> int:
         """Restart the agent service (scheduler.agent=service) once it failed `checks` health
