@@ -4,8 +4,9 @@
     python benchmarks/train_step.py --model smollm2-135m-instruct     # the quickstart's
     python benchmarks/train_step.py --model smollm2-135m-instruct --threads 1 2
 
-The step is the quickstart's: the proximal log-probs recomputed (a forward without
-gradient), then forward + backward of the policy loss over the micro-batches, gradient
+The step: the proximal log-probs recomputed (a forward without gradient; a run with one
+update per batch, as the quickstart, takes them from the training forward instead and skips
+it), then forward + backward of the policy loss over the micro-batches, gradient
 clipping and the fused AdamW step. For each configuration (threads x shared prefix off/on)
 it prints the median seconds of each phase, the trained tokens per second (every token of
 every trajectory, prompt included, per whole step), and the model FLOP utilisation:
