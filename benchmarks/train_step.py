@@ -7,8 +7,9 @@
 The step: the proximal log-probs recomputed (a forward without gradient; a run with one
 update per batch, as the quickstart, takes them from the training forward instead and skips
 it), then forward + backward of the policy loss over the micro-batches, gradient
-clipping and the fused AdamW step. For each configuration (threads x shared prefix off/on)
-it prints the median seconds of each phase, the trained tokens per second (every token of
+clipping and the fused AdamW step. For each configuration (threads x shared prefix off/on,
+and with shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or
+plain with bf16 copies of its weights, `training/precision.py`, the default) it prints the median seconds of each phase, the trained tokens per second (every token of
 every trajectory, prompt included, per whole step), and the model FLOP utilisation:
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
@@ -35,6 +36,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
 from asyncrl.training import FSDPTrainEngine
+from asyncrl.training import engine as engine_module
 from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
 
@@ -77,14 +79,15 @@ def one_step(engine: FSDPTrainEngine, batch: TensorBatch) -> dict[str, float]:
     lap("recompute")
     model.train()
     n_tokens = int((batch.loss_mask > 0).sum())
-    for rows, _ in engine._my_micro_batches(batch):
-        mb = to_device(batch.select(rows), engine.device)
-        lap("collate")
-        logprobs, _ = engine._train_forward(model, mb, n_tokens)  # packing counted here
-        loss = -(logprobs * mb.loss_mask).sum() / n_tokens
-        lap("forward")
-        loss.backward()
-        lap("backward")
+    with engine._computing():  # on one rank: the bf16 copies' refresh, counted as collate
+        for rows, _ in engine._my_micro_batches(batch):
+            mb = to_device(batch.select(rows), engine.device)
+            lap("collate")
+            logprobs, _ = engine._train_forward(model, mb, n_tokens)  # packing counted here
+            loss = -(logprobs * mb.loss_mask).sum() / n_tokens
+            lap("forward")
+            loss.backward()
+            lap("backward")
     engine._clip_gradients()
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)
@@ -118,14 +121,16 @@ def main() -> None:
           f"answers 10-40; model {args.model}, {args.dtype}")
     print("bf16 matmul peak: " + ", ".join(f"{t} thread(s) {peaks[t] / 1e9:.0f} GFLOP/s"
                                            for t in args.threads))
-    header = (f"{'threads':>7} {'shared':>6} | " + " ".join(f"{p:>9}" for p in PHASES)
+    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} | " + " ".join(f"{p:>9}" for p in PHASES)
               + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7}")
     print(header)
     print("-" * len(header))
     rows = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for shared in (False, True):
+        # (shared prefix, FSDP2 on the one rank); the second lever alone, with shared on
+        for shared, fsdp in ((False, False), (True, True), (True, False)):
+            engine_module.FSDP_ON_ONE_RANK = fsdp
             spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                                    mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
             engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
@@ -136,21 +141,23 @@ def main() -> None:
             one_step(engine, batch)  # warm-up
             runs = [one_step(engine, batch) for _ in range(args.repeats)]
             engine.destroy()
+            engine_module.FSDP_ON_ONE_RANK = False
             phase = {p: statistics.median(r[p] for r in runs) for p in PHASES}
             step = statistics.median(sum(r.values()) for r in runs)
             train = phase["collate"] + phase["forward"] + phase["backward"] + phase["optimizer"]
             mfu = 6 * params * computed / train / peaks[threads]
             step_mfu = 8 * params * computed / step / peaks[threads]
-            rows[threads, shared] = step
-            print(f"{threads:>7} {'on' if shared else 'off':>6} | "
+            rows[threads, shared, fsdp] = step
+            print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} | "
                   + " ".join(f"{phase[p]:9.3f}" for p in PHASES)
                   + f" | {step:6.2f} {real / step:6.0f} {mfu:5.1%} {step_mfu:7.1%}")
     print(f"tokens: real {real}, trie nodes {nodes} ({real / nodes:.2f}x fewer shared); "
           f"non-embedding params {params / 1e6:.1f}M")
-    base = rows[args.threads[0], False]
-    for (threads, shared), step in rows.items():
+    base = rows[args.threads[0], False, False]
+    for (threads, shared, fsdp), step in rows.items():
         print(f"speed-up vs {args.threads[0]} thread(s) padded: {threads} thread(s), shared "
-              f"prefix {'on' if shared else 'off'}: {base / step:.2f}x")
+              f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}: "
+              f"{base / step:.2f}x")
 
 
 if __name__ == "__main__":

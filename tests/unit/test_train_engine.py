@@ -41,8 +41,9 @@ def token_logprobs(logits: torch.Tensor, batch: TensorBatch) -> torch.Tensor:
 
 
 def make_engine(path, *, total_steps=10, **overrides) -> FSDPTrainEngine:
-    optimizer = overrides.pop("optimizer", OptimizerConfig(lr=1e-3))
-    spec = TrainEngineSpec(path=path, dtype="float32", optimizer=optimizer, **overrides)
+    overrides.setdefault("optimizer", OptimizerConfig(lr=1e-3))
+    overrides.setdefault("dtype", "float32")
+    spec = TrainEngineSpec(path=path, **overrides)
     engine = FSDPTrainEngine(spec, total_steps=total_steps)
     engine.initialize()
     return engine
@@ -235,6 +236,36 @@ def test_step_variants_train_every_parameter_and_keep_logprobs_close(tiny_path, 
     engine.destroy()
 
 
+@pytest.mark.parametrize("overrides", [{}, {"gradient_checkpointing": True},
+                                       {"shared_prefix": True}],
+                         ids=["plain", "gradient_checkpointing", "shared_prefix"])
+def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypatch, overrides):
+    # One rank keeps bf16 copies of the fp32 masters instead of FSDP2's per-step gathers
+    # (training/precision.py). Same casts, bf16 gradients summed in fp32 over micro-batches,
+    # the tied embedding's two uses meeting in one copy: FSDP2's numbers exactly, over two
+    # steps of four micro-batches each, an eval forward between them.
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 3 * 320)
+    results = []
+    for fsdp in (True, False):
+        monkeypatch.setattr(engine_module, "FSDP_ON_ONE_RANK", fsdp)
+        engine = make_engine(tiny_path, dtype="bfloat16", mb_spec=MicroBatchSpec(
+            max_tokens_per_mb=12), optimizer=OptimizerConfig(lr=1e-2), **overrides)
+        assert (engine._compute_weights is None) == fsdp
+        stats = [engine.train_batch(make_batch(seed=0), nll_loss)]
+        logprobs = engine.compute_logprobs(make_batch(seed=1))
+        stats.append(engine.train_batch(make_batch(seed=1), nll_loss))
+        results.append((stats, logprobs, engine.hf_state_dict()))
+        engine.destroy()
+    (fsdp_stats, fsdp_logprobs, fsdp_params), (stats, logprobs, params) = results
+    assert [s["n_mbs"] for s in stats] == [4, 4]
+    for ours, theirs in zip(stats, fsdp_stats):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"])
+    assert torch.equal(logprobs, fsdp_logprobs)
+    assert all(v.dtype == torch.float32 for v in params.values())  # fp32 masters stepped
+    for name, value in params.items():
+        assert torch.equal(value, fsdp_params[name]), name
+
+
 def test_init_from_scratch_ignores_the_saved_weights(tiny_path):
     pretrained = make_engine(tiny_path)
     scratch = make_engine(tiny_path, init_from_scratch=True)
@@ -297,7 +328,7 @@ def test_logprobs_with_entropy_equal_those_without(tiny_path, monkeypatch):
                            with_entropy=with_entropy)
         logprobs = out[0] if with_entropy else out
         logprobs.sum().backward()
-        results.append((logprobs.detach(), weight.grad.full_tensor().clone()))
+        results.append((logprobs.detach(), weight.grad.clone()))
         weight.grad = None
     (plain, g_plain), (both, g_both) = results
     assert torch.equal(plain, both) and torch.equal(g_plain, g_both)

@@ -1,5 +1,9 @@
 """The FSDP2 train engine: token log-probs, one optimiser step per batch, saving.
 
+On one rank the model is not wrapped by FSDP: with bf16 compute, `training/precision.py`
+keeps persistent bf16 copies of the fp32 master weights (FSDP2's numbers without its
+per-step copies).
+
 Data parallelism: every rank passes the same full batch; the engine takes its own rows
 (balanced by tokens) and all ranks run the same number of micro-batches. Loss normalisers
 (`n_tokens`, `n_seqs`) are those of the whole batch and FSDP sums (not averages) gradients
@@ -22,6 +26,8 @@ as the loss itself does.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -43,9 +49,12 @@ from asyncrl.training.dist import init_process_group, local_device
 from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.optim import make_lr_scheduler, make_optimizer
+from asyncrl.training.precision import ComputeWeights
 from asyncrl.training.prefix import PrefixPack, pack_prefixes
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
+# FSDP2 also on one rank (tests compare the two paths; on one rank it only adds copies).
+FSDP_ON_ONE_RANK = False
 
 
 class TokenLogprobModel(nn.Module):
@@ -227,6 +236,7 @@ class FSDPTrainEngine:
         self.rank, self.world_size = 0, 1
         self.device = torch.device("cpu")
         self._tied: set[str] = set()  # parameter names that alias another (tied embeddings)
+        self._compute_weights: ComputeWeights | None = None  # one rank, bf16 compute
         self._owns_process_group = False
 
     # ---- set-up -------------------------------------------------------------------------
@@ -270,19 +280,22 @@ class FSDPTrainEngine:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
     def _shard(self, model: nn.Module) -> None:
+        if self.world_size == 1 and not FSDP_ON_ONE_RANK:
+            model.to(self.device)
+            if self.spec.dtype == "bfloat16":
+                self._compute_weights = ComputeWeights(model, torch.bfloat16)
+            return
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         if self.spec.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
-        # One rank holds everything anyway; keeping the gathered layer between forward and
-        # backward saves a second gather (a copy) per layer and step.
-        reshard = self.world_size > 1
+        reshard = self.world_size > 1  # (FSDP_ON_ONE_RANK: keep the gathered layer)
         for layer in model.hf.get_decoder().layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         if self.world_size == 1:
-            return  # a custom divide factor would cost a division pass per layer and step
+            return
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # Losses are already divided by the whole batch's normaliser: sum over ranks.
@@ -292,7 +305,7 @@ class FSDPTrainEngine:
 
     def destroy(self) -> None:
         """Free the model and the process group if `initialize` created it."""
-        self.model = self.optimizer = self.lr_scheduler = None
+        self.model = self.optimizer = self.lr_scheduler = self._compute_weights = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
@@ -301,6 +314,12 @@ class FSDPTrainEngine:
         if self.model is None:
             raise RuntimeError("FSDPTrainEngine is not initialised; call initialize() first")
         return self.model
+
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Around forwards and their backwards: the compute weights in place (one rank)."""
+        with self._compute_weights.active() if self._compute_weights else nullcontext():
+            yield
 
     # ---- forward / backward -------------------------------------------------------------
 
@@ -333,11 +352,13 @@ class FSDPTrainEngine:
         model = self._require_model()
         model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for rows, real in self._my_micro_batches(batch):
-            mb = to_device(batch.select(rows), self.device)
-            per_token = self._root_forward(model, mb, targets_all(mb))
-            if real:
-                out[torch.as_tensor(rows, device=self.device), : per_token.shape[1]] = per_token
+        with self._computing():
+            for rows, real in self._my_micro_batches(batch):
+                mb = to_device(batch.select(rows), self.device)
+                per_token = self._root_forward(model, mb, targets_all(mb))
+                if real:
+                    out[torch.as_tensor(rows, device=self.device),
+                        : per_token.shape[1]] = per_token
         if self.world_size > 1:
             dist.all_reduce(out)  # each row is non-zero on exactly one rank
         return out.cpu()
@@ -357,18 +378,19 @@ class FSDPTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         mb_stats, loss_sum = [], 0.0
         micro_batches = self._my_micro_batches(batch)
-        for rows, real in micro_batches:
-            mb = to_device(batch.select(rows), self.device)
-            out, forward_stats = self._train_forward(model, mb, n_tokens)
-            loss, stats = loss_fn(out, mb, n_tokens=n_tokens, n_seqs=n_seqs)
-            stats |= forward_stats
-            if not real:
-                loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
-            loss.backward()
-            faults.point("train", self.steps_done + 1)
-            if real:
-                mb_stats.append(stats)
-                loss_sum += float(loss.detach())
+        with self._computing():
+            for rows, real in micro_batches:
+                mb = to_device(batch.select(rows), self.device)
+                out, forward_stats = self._train_forward(model, mb, n_tokens)
+                loss, stats = loss_fn(out, mb, n_tokens=n_tokens, n_seqs=n_seqs)
+                stats |= forward_stats
+                if not real:
+                    loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
+                loss.backward()
+                faults.point("train", self.steps_done + 1)
+                if real:
+                    mb_stats.append(stats)
+                    loss_sum += float(loss.detach())
         cores.adjust()
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
