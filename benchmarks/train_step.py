@@ -9,7 +9,8 @@ update per batch, as the quickstart, takes them from the training forward instea
 it), then forward + backward of the policy loss over the micro-batches, gradient
 clipping and the fused AdamW step. For each configuration (threads x shared prefix off/on,
 and with shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or
-plain with bf16 copies of its weights, `training/precision.py`, the default) it prints the median seconds of each phase, the trained tokens per second (every token of
+plain with bf16 copies of its weights, `training/precision.py`, the default; and the
+log-prob head's C kernels off or on, `training/logprob_head.py`) it prints the median seconds of each phase, the trained tokens per second (every token of
 every trajectory, prompt included, per whole step), and the model FLOP utilisation:
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
@@ -35,7 +36,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import FSDPTrainEngine
+from asyncrl.training import FSDPTrainEngine, logprob_head
 from asyncrl.training import engine as engine_module
 from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
@@ -121,16 +122,18 @@ def main() -> None:
           f"answers 10-40; model {args.model}, {args.dtype}")
     print("bf16 matmul peak: " + ", ".join(f"{t} thread(s) {peaks[t] / 1e9:.0f} GFLOP/s"
                                            for t in args.threads))
-    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} | " + " ".join(f"{p:>9}" for p in PHASES)
+    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'head':>5} | " + " ".join(f"{p:>9}" for p in PHASES)
               + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7}")
     print(header)
     print("-" * len(header))
     rows = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        # (shared prefix, FSDP2 on the one rank); the second lever alone, with shared on
-        for shared, fsdp in ((False, False), (True, True), (True, False)):
+        # (shared prefix, FSDP2 on the one rank, C head): the later levers one at a time
+        for shared, fsdp, kernels in ((False, False, True), (True, True, True),
+                                      (True, False, False), (True, False, True)):
             engine_module.FSDP_ON_ONE_RANK = fsdp
+            logprob_head.USE_KERNELS = kernels
             spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                                    mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
             engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
@@ -141,23 +144,24 @@ def main() -> None:
             one_step(engine, batch)  # warm-up
             runs = [one_step(engine, batch) for _ in range(args.repeats)]
             engine.destroy()
-            engine_module.FSDP_ON_ONE_RANK = False
+            engine_module.FSDP_ON_ONE_RANK, logprob_head.USE_KERNELS = False, True
             phase = {p: statistics.median(r[p] for r in runs) for p in PHASES}
             step = statistics.median(sum(r.values()) for r in runs)
             train = phase["collate"] + phase["forward"] + phase["backward"] + phase["optimizer"]
             mfu = 6 * params * computed / train / peaks[threads]
             step_mfu = 8 * params * computed / step / peaks[threads]
-            rows[threads, shared, fsdp] = step
-            print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} | "
+            rows[threads, shared, fsdp, kernels] = step
+            print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} "
+                  f"{'C' if kernels else 'torch':>5} | "
                   + " ".join(f"{phase[p]:9.3f}" for p in PHASES)
                   + f" | {step:6.2f} {real / step:6.0f} {mfu:5.1%} {step_mfu:7.1%}")
     print(f"tokens: real {real}, trie nodes {nodes} ({real / nodes:.2f}x fewer shared); "
           f"non-embedding params {params / 1e6:.1f}M")
-    base = rows[args.threads[0], False, False]
-    for (threads, shared, fsdp), step in rows.items():
+    base = rows[args.threads[0], False, False, True]
+    for (threads, shared, fsdp, kernels), step in rows.items():
         print(f"speed-up vs {args.threads[0]} thread(s) padded: {threads} thread(s), shared "
-              f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}: "
-              f"{base / step:.2f}x")
+              f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}, "
+              f"{'C' if kernels else 'torch'} head: {base / step:.2f}x")
 
 
 if __name__ == "__main__":

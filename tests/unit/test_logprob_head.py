@@ -93,3 +93,84 @@ def test_bad_shapes_are_named():
     hidden, weight, tokens, _ = inputs(torch.float32)
     with pytest.raises(ValueError, match="hidden must be"):
         token_logprobs(hidden[None], weight, tokens)
+
+
+def test_tokens_outside_the_vocabulary_are_named():
+    hidden, weight, tokens, _ = inputs(torch.bfloat16)
+    tokens[3] = V
+    with pytest.raises(ValueError, match=rf"\[0, {V}\).*got \[\d+, {V}\]"):
+        token_logprobs(hidden, weight, tokens)
+
+
+needs_kernels = pytest.mark.skipif(logprob_head._kernels() is None,
+                                   reason="no C compiler: the torch path is used")
+
+
+def chunk_both_ways(seed: int, temperature: float):
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(7, H, generator=gen) * 3).to(torch.bfloat16)
+    w = torch.randn(300, H, generator=gen).to(torch.bfloat16)
+    tok = torch.randint(0, 300, (7,), generator=gen)
+    torch_path = logprob_head._chunk_forward(h, w, tok, temperature, True, True)
+    c_path = logprob_head._chunk_forward_c(h, w, tok, temperature, True, True)
+    return h, w, tok, torch_path, c_path
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_c_chunk_equals_the_torch_chunk(temperature):
+    # The same fp32 formulas on the same bf16 logits; exp's polynomial (rel. error < 2e-7)
+    # and the order of the sums differ. Against float64 on those logits: log-probs as close
+    # as torch's; the entropy closer (torch's path takes sum p z from logsumexp, losing
+    # digits when the logits are large; the kernel sums p (z - max)). Templates: each value
+    # rounded once to bf16, so they agree to one bf16 step at most, and nearly all (> 95%) exactly.
+    h, w, tok, (lp, ent, tmpl), (lp_c, ent_c, tmpl_c) = chunk_both_ways(0, temperature)
+    logp = ((h @ w.t()).double() / temperature).log_softmax(-1)
+    true_lp, true_ent = logp.gather(-1, tok[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    assert float((lp_c - true_lp).abs().max()) < 1e-5
+    assert float((lp - true_lp).abs().max()) < 1e-5
+    assert float((ent_c - true_ent).abs().max()) < 1e-6 < float((ent - true_ent).abs().max())
+    assert tmpl_c.dtype == torch.bfloat16 and tmpl_c.shape == tmpl.shape
+    step = tmpl.float().abs().clamp_min(1e-30) * 2**-7  # one bf16 step (upper bound)
+    assert bool(((tmpl_c.float() - tmpl.float()).abs() <= step).all())
+    assert float((tmpl_c == tmpl).float().mean()) > 0.95
+    rows = torch.arange(len(tok))
+    assert bool((tmpl_c[rows, tok] > 0).all()) and bool((tmpl_c.float().sum(-1).abs() < 0.05).all())
+
+
+@needs_kernels
+@pytest.mark.parametrize("chunk,budget", LAYOUTS, ids=["one", "kept", "recomputed", "mixed"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_kernels_match_the_torch_path(monkeypatch, chunk, budget, temperature):
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(logprob_head, "SAVED_TEMPLATE_BYTES", budget)
+    hidden, weight, tokens, upstream = inputs(torch.bfloat16, seed=3)
+    results, real = {}, logprob_head._kernels
+    for use in (False, True):
+        monkeypatch.setattr(logprob_head, "USE_KERNELS", use)
+        calls: list[int] = []
+
+        def counted(calls=calls):
+            calls.append(1)
+            return real()
+
+        monkeypatch.setattr(logprob_head, "_kernels", counted)
+        out = grads(lambda h, w, t: token_logprobs(h, w, t, temperature)[0], hidden, weight,
+                    tokens, upstream)
+        _, entropy = token_logprobs(hidden, weight, tokens, temperature, with_entropy=True)
+        results[use] = (*out, entropy)
+        assert bool(calls) == use  # the kernels ran exactly when switched on
+    for c, t in zip(results[True], results[False]):
+        # The gradients are products of bf16 templates that differ by at most one step in a
+        # few places: bf16 matmul results one step apart at most.
+        torch.testing.assert_close(c.float(), t.float(), atol=1e-5, rtol=2**-7)
+
+
+@needs_kernels
+def test_the_scaled_template_is_rounded_once_as_autograd_rounds_it():
+    gen = torch.Generator().manual_seed(1)
+    template = torch.randn(5, 300, generator=gen).to(torch.bfloat16)
+    g = torch.randn(5, generator=gen) * 1e-3
+    expected = (template.float() * g[:, None]).to(torch.bfloat16)
+    logprob_head._kernels().scale_rows_bf16(template.data_ptr(), 5, 300, g.data_ptr(), 2)
+    assert torch.equal(template, expected)

@@ -9,11 +9,19 @@ of the fp32 logits); the backward scales it by the incoming gradient and runs th
 Templates beyond `SAVED_TEMPLATE_BYTES` are not kept: their chunks recompute the projection in
 backward, so memory stays bounded whatever the batch.
 
+On the CPU with bf16 weights the per-row work after the projection runs in C
+(`engine/kernels/logprob_head.c`): the log-softmax, entropy and template in one pass over
+each row of the bf16 logits, the template written over them, so no fp32 logits exist; and
+the backward's scaling in place. The torch code below is the path elsewhere (no compiler,
+fp32, GPU) and the one the kernel is tested against.
+
 `reference_logprobs` is the plain autograd computation the tests compare with.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -33,6 +41,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
     if hidden.dim() != 2 or tokens.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and tokens [N], got {tuple(hidden.shape)} "
                          f"and {tuple(tokens.shape)}")
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < weight.shape[0]:
+        raise ValueError(f"tokens must lie in [0, {weight.shape[0]}) (the vocabulary), got "
+                         f"[{int(tokens.min())}, {int(tokens.max())}]")
     # Inside the Function grad mode is off and `needs_input_grad` ignores no_grad: ask here.
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprobs, entropy = _TokenLogprobs.apply(hidden, weight, tokens, temperature, with_entropy,
@@ -42,6 +53,44 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
 
 def chunk_rows(vocab: int) -> int:
     return max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+
+
+# The C kernels where they apply (tests switch them off to run the torch path).
+USE_KERNELS = True
+
+
+@functools.cache
+def _kernels() -> ctypes.CDLL | None:
+    from asyncrl.engine import kernels
+
+    lib = kernels.load("logprob_head")
+    if lib is None:
+        return None
+    p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.head_rows_bf16.argtypes = [p, i32, i32, p, f32, p, p, i32, i32]
+    lib.scale_rows_bf16.argtypes = [p, i32, i32, p, i32]
+    lib.head_rows_bf16.restype = lib.scale_rows_bf16.restype = None
+    return lib
+
+
+def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (USE_KERNELS and hidden.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and hidden.dtype == torch.bfloat16 and _kernels() is not None)
+
+
+def _chunk_forward_c(h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor,
+                     temperature: float, with_entropy: bool, template: bool
+                     ) -> tuple[torch.Tensor, ...]:
+    """`_chunk_forward` in C: the bf16 logits become the template in place."""
+    logits = h @ weight.t()
+    rows, vocab = logits.shape
+    tok = tok.to(torch.int64).contiguous()
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    entropy = torch.empty(rows, dtype=torch.float32) if with_entropy else None
+    _kernels().head_rows_bf16(logits.data_ptr(), rows, vocab, tok.data_ptr(), temperature,
+                              logprobs.data_ptr(), entropy.data_ptr() if with_entropy else None,
+                              int(template), torch.get_num_threads())
+    return logprobs, entropy, logits if template else None
 
 
 def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor, temperature: float,
@@ -74,20 +123,22 @@ class _TokenLogprobs(torch.autograd.Function):
                 temperature: float, with_entropy: bool, needs_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = chunk_rows(weight.shape[0])
+        chunk_forward = _chunk_forward_c if _use_kernels(hidden, weight) else _chunk_forward
         budget = SAVED_TEMPLATE_BYTES if needs_grad else -1
         out, ent, templates = [], [], []
         for start in range(0, hidden.shape[0], rows):
             h, tok = hidden[start:start + rows], tokens[start:start + rows]
             size = h.shape[0] * weight.shape[0] * weight.element_size()
             keep = 0 <= size <= budget
-            logprobs, entropy, grad = _chunk_forward(h, weight, tok, temperature,
-                                                     with_entropy, keep)
+            logprobs, entropy, grad = chunk_forward(h, weight, tok, temperature,
+                                                    with_entropy, keep)
             if keep:
                 budget -= size
             out.append(logprobs)
             ent.append(entropy if entropy is not None else logprobs.new_zeros(0))
             templates.append(grad)  # None: recompute in backward
         ctx.temperature, ctx.rows, ctx.templates = temperature, rows, templates
+        ctx.chunk_forward = chunk_forward
         if needs_grad:
             ctx.save_for_backward(hidden, weight, tokens)
         entropy = torch.cat(ent) if with_entropy else hidden.new_zeros(0, dtype=torch.float32)
@@ -100,24 +151,32 @@ class _TokenLogprobs(torch.autograd.Function):
         hidden, weight, tokens = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         rows = ctx.rows
-        chunks = len(ctx.templates)
+        in_c = ctx.chunk_forward is _chunk_forward_c
         grad_weight = None
-        if ctx.needs_input_grad[1] and chunks > 1:  # chunks' parts summed in fp32
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         for i, start in enumerate(range(0, hidden.shape[0], rows)):
             h, tok = hidden[start:start + rows], tokens[start:start + rows]
             template = ctx.templates[i]
             if template is None:
-                template = _chunk_forward(h, weight, tok, ctx.temperature, False, True)[2]
+                template = ctx.chunk_forward(h, weight, tok, ctx.temperature, False, True)[2]
             ctx.templates[i] = None  # free it as soon as it is used
-            g = grad_logprobs[start:start + rows].float()[:, None]
-            grad_z = (template.float().mul_(g)).to(weight.dtype)  # dL/dz, as autograd rounds it
+            g = grad_logprobs[start:start + rows].float()
+            if in_c:  # dL/dz in place, each product in fp32 rounded once as autograd does
+                g = g.contiguous()
+                _kernels().scale_rows_bf16(template.data_ptr(), *template.shape, g.data_ptr(),
+                                           torch.get_num_threads())
+                grad_z = template
+            else:
+                grad_z = (template.float().mul_(g[:, None])).to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:start + rows] = grad_z @ weight
-            if grad_weight is not None:
-                grad_weight.add_(grad_z.t() @ h)
-            elif ctx.needs_input_grad[1]:
-                grad_weight = grad_z.t() @ h
+            if ctx.needs_input_grad[1]:
+                part = grad_z.t() @ h
+                if grad_weight is None:
+                    grad_weight = part
+                else:  # several chunks: their parts summed in fp32
+                    if grad_weight.dtype != torch.float32:
+                        grad_weight = grad_weight.float()
+                    grad_weight.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

@@ -1,9 +1,10 @@
-"""Small C kernels for the CPU decode path, compiled with the system's C compiler at first use.
+"""Small C kernels, compiled with the system's C compiler at first use: the CPU decode path's
+(`decode.c`) and the trainer's log-prob head (`logprob_head.c`, `training/logprob_head.py`).
 
-Each kernel is a plain C file next to this module. `load()` compiles it once into the
-asyncrl cache and opens it with ctypes. The build is tuned for this CPU (-march=native), so
-it is keyed by the source, the compiler flags and the CPU's model and flags: an edited
-kernel or another CPU gets its own build. No torch headers are needed, so a build takes
+Each kernel is a plain C file next to this module (with `common.h`, the helpers they
+share). `load()` compiles it once into the asyncrl cache and opens it with ctypes. The build
+is tuned for this CPU (-march=native), so it is keyed by the sources, the compiler flags and
+the CPU's model and flags: an edited kernel or header, or another CPU, gets its own build. No torch headers are needed, so a build takes
 about a second. When no compiler is available, `load()` returns None and callers keep
 their torch path; `ASYNCRL_NO_KERNELS=1` forces that.
 """
@@ -28,11 +29,14 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 def _build(name: str) -> Path:
     from asyncrl.models.hub import cache_dir
 
-    source = (resources.files(__package__) / f"{name}.c").read_bytes()
+    folder = resources.files(__package__)
+    source = (folder / f"{name}.c").read_bytes()
+    headers = {f.name: f.read_bytes() for f in folder.iterdir() if f.name.endswith(".h")}
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join([source, *(headers[h] for h in sorted(headers))])
+                         + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"{name}-{key}.so"
     if out.exists():
         return out
@@ -40,6 +44,8 @@ def _build(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = Path(tmp) / f"{name}.c"
         src.write_bytes(source)
+        for header, text in headers.items():
+            (Path(tmp) / header).write_bytes(text)
         lib = Path(tmp) / out.name
         subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
                        capture_output=True, text=True)

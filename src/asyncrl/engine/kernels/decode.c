@@ -18,46 +18,12 @@
 #include <string.h>
 #include <math.h>
 #include <omp.h>
+#include "common.h"
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);  /* branch-free */
-}
-
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* exp(x) for x <= 0, vectorisable: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5],
- * 2^f by a degree-6 polynomial (relative error < 2e-7). */
-static inline float exp_neg(float x) {
-    float y = x * 1.44269504088896341f;
-    y = y < -126.0f ? -126.0f : y;
-    float n = rintf(y);
-    float f = y - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
-}
 
 #ifdef __AVX512BF16__
 static inline __m512 bf16x16_to_f32(__m256i v) {
@@ -302,12 +268,6 @@ static void attend(const uint16_t *row, const uint16_t *kc, const uint16_t *vc, 
 #pragma omp simd
         for (int d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + d]);
     }
-}
-
-/* The share [*lo, *hi) of n items of thread tid out of nt (contiguous, sizes differ by <= 1). */
-static inline void share(int n, int tid, int nt, int *lo, int *hi) {
-    *lo = (int)((int64_t)n * tid / nt);
-    *hi = (int)((int64_t)n * (tid + 1) / nt);
 }
 
 /* Attention for R rows inside a parallel region: every row's rotation and cache write, a
