@@ -10,7 +10,8 @@ it), then forward + backward of the policy loss over the micro-batches, gradient
 clipping and the fused AdamW step. For each configuration (threads x shared prefix off/on,
 and with shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or
 plain with bf16 copies of its weights, `training/precision.py`, the default; and the
-log-prob head's C kernels off or on, `training/logprob_head.py`) it prints the median seconds of each phase, the trained tokens per second (every token of
+trainer's C kernels off or on: the log-prob head's and RMSNorm's, `training/logprob_head.py`
+and `training/norm.py`) it prints the median seconds of each phase, the trained tokens per second (every token of
 every trajectory, prompt included, per whole step), and the model FLOP utilisation:
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
@@ -36,7 +37,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import FSDPTrainEngine, logprob_head
+from asyncrl.training import FSDPTrainEngine, logprob_head, norm
 from asyncrl.training import engine as engine_module
 from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
@@ -133,7 +134,7 @@ def main() -> None:
         for shared, fsdp, kernels in ((False, False, True), (True, True, True),
                                       (True, False, False), (True, False, True)):
             engine_module.FSDP_ON_ONE_RANK = fsdp
-            logprob_head.USE_KERNELS = kernels
+            logprob_head.USE_KERNELS = norm.USE_KERNELS = kernels
             spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                                    mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
             engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
@@ -144,7 +145,8 @@ def main() -> None:
             one_step(engine, batch)  # warm-up
             runs = [one_step(engine, batch) for _ in range(args.repeats)]
             engine.destroy()
-            engine_module.FSDP_ON_ONE_RANK, logprob_head.USE_KERNELS = False, True
+            engine_module.FSDP_ON_ONE_RANK = False
+            logprob_head.USE_KERNELS = norm.USE_KERNELS = True
             phase = {p: statistics.median(r[p] for r in runs) for p in PHASES}
             step = statistics.median(sum(r.values()) for r in runs)
             train = phase["collate"] + phase["forward"] + phase["backward"] + phase["optimizer"]
@@ -161,7 +163,7 @@ def main() -> None:
     for (threads, shared, fsdp, kernels), step in rows.items():
         print(f"speed-up vs {args.threads[0]} thread(s) padded: {threads} thread(s), shared "
               f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}, "
-              f"{'C' if kernels else 'torch'} head: {base / step:.2f}x")
+              f"{'C' if kernels else 'torch'} head and norms: {base / step:.2f}x")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.dist import init_process_group, local_device
 from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
+from asyncrl.training.norm import use_fused_norms
 from asyncrl.training.optim import make_lr_scheduler, make_optimizer
 from asyncrl.training.precision import ComputeWeights
 from asyncrl.training.prefix import PrefixPack, pack_prefixes
@@ -252,6 +253,7 @@ class FSDPTrainEngine:
         path = resolve_model_path(self.spec.path)
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
+        use_fused_norms(hf_model)  # bf16 on the CPU: training/norm.py
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:

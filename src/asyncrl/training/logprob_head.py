@@ -63,14 +63,9 @@ USE_KERNELS = True
 def _kernels() -> ctypes.CDLL | None:
     from asyncrl.engine import kernels
 
-    lib = kernels.load("logprob_head")
-    if lib is None:
-        return None
     p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.head_rows_bf16.argtypes = [p, i32, i32, p, f32, p, p, i32, i32]
-    lib.scale_rows_bf16.argtypes = [p, i32, i32, p, i32]
-    lib.head_rows_bf16.restype = lib.scale_rows_bf16.restype = None
-    return lib
+    return kernels.bind("logprob_head", {"head_rows_bf16": [p, i32, i32, p, f32, p, p, i32, i32],
+                                         "scale_rows_bf16": [p, i32, i32, p, i32]})
 
 
 def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

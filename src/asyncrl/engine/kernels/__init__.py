@@ -77,3 +77,15 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.warning("C kernel %r unavailable, using the torch path: %s", name, detail)
         return None
 
+
+
+def bind(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """`load(name)` with the argument types of each named function set (each returns
+    nothing), or None where the library cannot be built."""
+    lib = load(name)
+    if lib is None:
+        return None
+    for fn, argtypes in signatures.items():
+        getattr(lib, fn).argtypes = argtypes
+        getattr(lib, fn).restype = None
+    return lib
