@@ -11,8 +11,9 @@ clipping and the fused AdamW step. For each configuration (threads x shared pref
 and with shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or
 plain with bf16 copies of its weights, `training/precision.py`, the default; and the
 trainer's C kernels off or on: the log-prob head's and RMSNorm's, `training/logprob_head.py`
-and `training/norm.py`) it prints the median seconds of each phase, the trained tokens per second (every token of
-every trajectory, prompt included, per whole step), and the model FLOP utilisation:
+and `training/norm.py`) it prints the median seconds of each phase, the trained tokens per
+second (every token of every trajectory, prompt included, per whole step), and the model
+FLOP utilisation:
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
           / the measured bf16 matmul peak of the same number of threads
@@ -123,7 +124,8 @@ def main() -> None:
           f"answers 10-40; model {args.model}, {args.dtype}")
     print("bf16 matmul peak: " + ", ".join(f"{t} thread(s) {peaks[t] / 1e9:.0f} GFLOP/s"
                                            for t in args.threads))
-    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'head':>5} | " + " ".join(f"{p:>9}" for p in PHASES)
+    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'C':>5} | "
+              + " ".join(f"{p:>9}" for p in PHASES)
               + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7}")
     print(header)
     print("-" * len(header))

@@ -1,12 +1,14 @@
 """Small C kernels, compiled with the system's C compiler at first use: the CPU decode path's
-(`decode.c`) and the trainer's log-prob head (`logprob_head.c`, `training/logprob_head.py`).
+(`decode.c`) and the trainer's log-prob head and RMSNorm (`logprob_head.c`, `rms_norm.c`;
+`training/logprob_head.py`, `training/norm.py`).
 
 Each kernel is a plain C file next to this module (with `common.h`, the helpers they
 share). `load()` compiles it once into the asyncrl cache and opens it with ctypes. The build
 is tuned for this CPU (-march=native), so it is keyed by the sources, the compiler flags and
-the CPU's model and flags: an edited kernel or header, or another CPU, gets its own build. No torch headers are needed, so a build takes
-about a second. When no compiler is available, `load()` returns None and callers keep
-their torch path; `ASYNCRL_NO_KERNELS=1` forces that.
+the CPU's model and flags: an edited kernel or header, or another CPU, gets its own build.
+No torch headers are needed, so a build takes about a second. When no compiler is
+available, `load()` returns None and callers keep their torch path; `ASYNCRL_NO_KERNELS=1`
+forces that.
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         logger.warning("C kernel %r unavailable, using the torch path: %s", name, detail)
         return None
-
 
 
 def bind(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
