@@ -42,7 +42,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.training import checkpoint
+from asyncrl.training import checkpoint, heap
 from asyncrl.training.attention import NAME as TRIE_ATTENTION
 from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.dist import init_process_group, local_device
@@ -249,6 +249,8 @@ class FSDPTrainEngine:
         self._owns_process_group = init_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = local_device()
+        if self.device.type == "cpu" and heap.KEEP_FREED_MEMORY:
+            heap.keep_freed_memory()  # training/heap.py: no page faults for reused buffers
         torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
         path = resolve_model_path(self.spec.path)
         hf_model = self._load_hf_model(path)
