@@ -13,6 +13,10 @@ entry (one cast per step, into the same buffers). As soon as a backward has accu
 copy's gradient, it is added to its master's fp32 `.grad` and freed: each micro-batch's bf16
 gradient summed in fp32, the numbers of FSDP2 with `reduce_dtype=float32`. Tied parameters
 (one object under two names) share one copy, so their gradients meet in it as in FSDP.
+The fp32 gradients live in buffers kept from step to step: `zero_grad(set_to_none=True)`
+drops the `.grad` references only, so the next step writes the same memory instead of
+taking fresh pages (the tied embedding's alone is 113 MB, past glibc's heap threshold:
+`training/heap.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ComputeWeights:
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self._slots: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(master) -> pair
+        self._grads: dict[int, torch.Tensor] = {}  # id(master) -> its fp32 gradient's buffer
         for module in model.modules():
             for name, master in module._parameters.items():
                 if master is None:
@@ -41,7 +46,7 @@ class ComputeWeights:
                 copy = nn.Parameter(torch.empty_like(master, dtype=dtype),
                                     requires_grad=master.requires_grad)
                 if master.requires_grad:
-                    copy.register_post_accumulate_grad_hook(partial(_to_master, master))
+                    copy.register_post_accumulate_grad_hook(partial(self._to_master, master))
                 self._pairs[id(master)] = (master, copy)
 
     @contextmanager
@@ -60,11 +65,13 @@ class ComputeWeights:
             for module, name, master in self._slots:
                 module._parameters[name] = master
 
-
-def _to_master(master: nn.Parameter, copy: nn.Parameter) -> None:
-    """Move the copy's gradient of one backward into its master's fp32 gradient."""
-    grad, copy.grad = copy.grad, None
-    if master.grad is None:
-        master.grad = grad.to(master.dtype)
-    else:
-        master.grad.add_(grad)
+    def _to_master(self, master: nn.Parameter, copy: nn.Parameter) -> None:
+        """Move the copy's gradient of one backward into its master's fp32 gradient."""
+        grad, copy.grad = copy.grad, None
+        if master.grad is not None:
+            master.grad.add_(grad)
+            return
+        buffer = self._grads.get(id(master))
+        if buffer is None:
+            buffer = self._grads[id(master)] = torch.empty_like(master)
+        master.grad = buffer.copy_(grad)
