@@ -11,9 +11,10 @@ clipping and the fused AdamW step. For each configuration (threads x shared pref
 and with shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or
 plain with bf16 copies of its weights, `training/precision.py`, the default; and the
 trainer's C kernels off or on: the log-prob head's and RMSNorm's, `training/logprob_head.py`
-and `training/norm.py`) it prints the median seconds of each phase, the trained tokens per
-second (every token of every trajectory, prompt included, per whole step), and the model
-FLOP utilisation:
+and `training/norm.py`; and freed memory kept for the next step or handed back as glibc does,
+`training/heap.py`) it prints the median seconds of each phase, the trained tokens per
+second (every token of every trajectory, prompt included, per whole step), the model
+FLOP utilisation, and the page faults per step (thousands, "kfault"):
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
           / the measured bf16 matmul peak of the same number of threads
@@ -25,7 +26,11 @@ counts the recompute forward (2 x params x tokens) over the whole step.
 
 from __future__ import annotations
 
+import argparse
+import json
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +43,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import FSDPTrainEngine, logprob_head, norm
+from asyncrl.training import FSDPTrainEngine, heap, logprob_head, norm
 from asyncrl.training import engine as engine_module
 from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
@@ -108,64 +113,87 @@ def computed_tokens(engine: FSDPTrainEngine, batch: TensorBatch) -> tuple[int, i
     return real, nodes
 
 
+def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, kernels: bool,
+            keep: bool) -> dict[str, float]:
+    """One configuration's median phases, tokens and page faults per step, in this process."""
+    torch.set_num_threads(threads)
+    engine_module.FSDP_ON_ONE_RANK = fsdp
+    logprob_head.USE_KERNELS = norm.USE_KERNELS = kernels
+    heap.KEEP_FREED_MEMORY = keep
+    spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
+                           mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
+    engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
+    engine.initialize()
+    batch = quickstart_batch(args.groups, args.samples, args.prompt)
+    real, nodes = computed_tokens(engine, batch)
+    one_step(engine, batch)  # warm-up
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    runs = [one_step(engine, batch) for _ in range(args.repeats)]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return {**{p: statistics.median(r[p] for r in runs) for p in PHASES},
+            "step": statistics.median(sum(r.values()) for r in runs),
+            "params": non_embedding_params(engine), "real": real, "nodes": nodes,
+            "faults": faults / args.repeats}
+
+
 def main() -> None:
     parser = batch_arguments(__doc__.split("\n")[0], dtype="bfloat16", max_tokens_per_mb=4096,
                              repeats=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args, *json.loads(args.one))))
+        return
 
     if args.model is None:
         from asyncrl.models.tiny import make_tiny_model
 
         args.model = make_tiny_model(tempfile.mkdtemp() + "/tiny")
-    batch = quickstart_batch(args.groups, args.samples, args.prompt)
     peaks = {t: matmul_peak(t) for t in args.threads}
     print(f"batch: {args.groups} groups x {args.samples} samples, prompt {args.prompt}, "
-          f"answers 10-40; model {args.model}, {args.dtype}")
+          f"answers 10-40; model {args.model}, {args.dtype}; each configuration in its "
+          "own process")
     print("bf16 matmul peak: " + ", ".join(f"{t} thread(s) {peaks[t] / 1e9:.0f} GFLOP/s"
                                            for t in args.threads))
-    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'C':>5} | "
+    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'C':>5} {'heap':>5} | "
               + " ".join(f"{p:>9}" for p in PHASES)
-              + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7}")
+              + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7} {'kfault':>6}")
     print(header)
     print("-" * len(header))
     rows = {}
+    # (shared prefix, FSDP2 on the one rank, C kernels, freed memory kept): the later
+    # levers one at a time.
+    levers = ((False, False, True, True), (True, True, True, True), (True, False, False, True),
+              (True, False, True, False), (True, False, True, True))
+    argv = ["--model", args.model, "--groups", str(args.groups), "--samples", str(args.samples),
+            "--prompt", str(args.prompt), "--dtype", args.dtype, "--repeats", str(args.repeats),
+            "--max-tokens-per-mb", str(args.max_tokens_per_mb)]
     for threads in args.threads:
-        torch.set_num_threads(threads)
-        # (shared prefix, FSDP2 on the one rank, C head): the later levers one at a time
-        for shared, fsdp, kernels in ((False, False, True), (True, True, True),
-                                      (True, False, False), (True, False, True)):
-            engine_module.FSDP_ON_ONE_RANK = fsdp
-            logprob_head.USE_KERNELS = norm.USE_KERNELS = kernels
-            spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
-                                   mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
-            engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
-            engine.initialize()
-            params = non_embedding_params(engine)
-            real, nodes = computed_tokens(engine, batch)
-            computed = nodes if shared else real
-            one_step(engine, batch)  # warm-up
-            runs = [one_step(engine, batch) for _ in range(args.repeats)]
-            engine.destroy()
-            engine_module.FSDP_ON_ONE_RANK = False
-            logprob_head.USE_KERNELS = norm.USE_KERNELS = True
-            phase = {p: statistics.median(r[p] for r in runs) for p in PHASES}
-            step = statistics.median(sum(r.values()) for r in runs)
-            train = phase["collate"] + phase["forward"] + phase["backward"] + phase["optimizer"]
-            mfu = 6 * params * computed / train / peaks[threads]
-            step_mfu = 8 * params * computed / step / peaks[threads]
-            rows[threads, shared, fsdp, kernels] = step
+        for shared, fsdp, kernels, keep in levers:
+            config = [threads, shared, fsdp, kernels, keep]
+            out = subprocess.run([sys.executable, __file__, *argv, "--one", json.dumps(config)],
+                                 capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            computed = r["nodes"] if shared else r["real"]
+            train = r["collate"] + r["forward"] + r["backward"] + r["optimizer"]
+            mfu = 6 * r["params"] * computed / train / peaks[threads]
+            step_mfu = 8 * r["params"] * computed / r["step"] / peaks[threads]
+            rows[tuple(config)] = r["step"]
             print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} "
-                  f"{'C' if kernels else 'torch':>5} | "
-                  + " ".join(f"{phase[p]:9.3f}" for p in PHASES)
-                  + f" | {step:6.2f} {real / step:6.0f} {mfu:5.1%} {step_mfu:7.1%}")
-    print(f"tokens: real {real}, trie nodes {nodes} ({real / nodes:.2f}x fewer shared); "
-          f"non-embedding params {params / 1e6:.1f}M")
-    base = rows[args.threads[0], False, False, True]
-    for (threads, shared, fsdp, kernels), step in rows.items():
+                  f"{'C' if kernels else 'torch':>5} {'kept' if keep else 'glibc':>5} | "
+                  + " ".join(f"{r[p]:9.3f}" for p in PHASES)
+                  + f" | {r['step']:6.2f} {r['real'] / r['step']:6.0f} {mfu:5.1%} "
+                  f"{step_mfu:7.1%} {r['faults'] / 1e3:6.0f}", flush=True)
+    print(f"tokens: real {r['real']}, trie nodes {r['nodes']} "
+          f"({r['real'] / r['nodes']:.2f}x fewer shared); "
+          f"non-embedding params {r['params'] / 1e6:.1f}M")
+    base = rows[args.threads[0], False, False, True, True]
+    for (threads, shared, fsdp, kernels, keep), step in rows.items():
         print(f"speed-up vs {args.threads[0]} thread(s) padded: {threads} thread(s), shared "
               f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}, "
-              f"{'C' if kernels else 'torch'} head and norms: {base / step:.2f}x")
+              f"{'C' if kernels else 'torch'} head and norms, freed memory "
+              f"{'kept' if keep else 'as glibc does'}: {base / step:.2f}x")
 
 
 if __name__ == "__main__":
