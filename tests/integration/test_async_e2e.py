@@ -101,3 +101,73 @@ def test_a_hanging_reward_is_timed_out_run_again_and_reported(tmp_path, tiny_mod
     # A step's counters are read when its batch is taken, its reports after it trained.
     assert 1 <= rows[-1]["rollout/episodes_retried"] <= len(reports)
     assert all(r["rollout/episodes_failed"] == 0 for r in rows)
+
+
+def test_servers_load_while_the_trainer_trains_the_next_step(tmp_path, tiny_model,
+                                                              monkeypatch):
+    """actor.weight_update_overlap: the load of version v is held until the trainer has
+    started step v + 1, which it can (eta=1) only if it does not wait for the load. Were it
+    waiting, the held load would give up after 60 s and fail the run."""
+    import asyncio
+    import time
+
+    from asyncrl.trainers.rl import RLTrainer
+    from asyncrl.weights import WeightPublisher
+
+    steps, started, loads = 3, [], []
+    train_step, load = RLTrainer._train_step, WeightPublisher.load
+
+    def recording_train_step(self, batch):
+        started.append(self._version + 1)  # the step it trains
+        return train_step(self, batch)
+
+    async def held_load(self, version):
+        deadline = time.monotonic() + 60
+        while version < steps and version + 1 not in started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer did not start step {version + 1} while "
+                                   f"weights v{version} were loading")
+            await asyncio.sleep(0.01)
+        loads.append((version, list(started)))
+        await load(self, version)
+
+    monkeypatch.setattr(RLTrainer, "_train_step", recording_train_step)
+    monkeypatch.setattr(WeightPublisher, "load", held_load)
+    summary = train(_config(tmp_path, tiny_model, eta=1, steps=steps, extra=[
+        "evaluator.before_training=false", "evaluator.after_training=false"]))
+    assert started == [1, 2, 3]
+    # v1 loaded while step 2 trained, v2 while step 3; v3 after the last step
+    assert loads == [(1, [1, 2]), (2, [1, 2, 3]), (3, [1, 2, 3])]
+    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl")
+            if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    # each load's time is reported by the step that waited for it, the last one's by none
+    assert ["perf/weights_load_s" in r for r in rows] == [False, True, True]
+    assert (Path(summary["run_dir"]) / "weights" / "v3").is_dir()
+
+
+def test_without_overlap_each_publish_waits_for_the_load(tmp_path, tiny_model, monkeypatch):
+    from asyncrl.trainers.rl import RLTrainer
+
+    trained, loaded = [], []
+    train_step = RLTrainer._train_step
+    announce = RLTrainer._announce_version
+
+    def recording_train_step(self, batch):
+        trained.append(self._version + 1)
+        return train_step(self, batch)
+
+    def recording_announce(self, version):
+        loaded.append((version, list(trained)))
+        return announce(self, version)
+
+    monkeypatch.setattr(RLTrainer, "_train_step", recording_train_step)
+    monkeypatch.setattr(RLTrainer, "_announce_version", recording_announce)
+    summary = train(_config(tmp_path, tiny_model, eta=1, steps=2, extra=[
+        "evaluator.before_training=false", "evaluator.after_training=false",
+        "actor.weight_update_overlap=false"]))
+    assert loaded == [(1, [1]), (2, [1, 2])]  # announced (loaded) before the next step
+    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl")
+            if r["kind"] == "train"]
+    assert all(r["perf/weights_load_s"] >= 0 for r in rows)

@@ -62,3 +62,41 @@ def test_the_only_server_killed_is_restarted_and_the_run_goes_on(tmp_path):
     _train_killing_server(cfg, run, index=0)
     log = (run / "logs" / "trainer.log").read_text()
     assert "restarting it" in log and "is back in routing at version" in log
+
+
+def test_a_server_dead_during_a_background_load_is_restarted_and_loads_again(tmp_path,
+                                                                              monkeypatch):
+    """actor.weight_update_overlap: the only server dies while it should load v2 in the
+    background; the trainer finds the failed load when it next waits for it, restarts the
+    server, has it load v2 and goes on."""
+    import os
+    import signal
+
+    from asyncrl.weights import WeightPublisher
+
+    model = make_tiny_model(tmp_path / "model", arch="llama")
+    cfg = tiny_run_config(tmp_path, model, "allocation_mode=local:d1+fsdp:d1",
+                          "total_train_steps=4", name="fault")
+    run = Path(tmp_path / "runs" / "fault" / cfg.trial_name)
+    load, loads = WeightPublisher.load, []
+
+    async def load_once_dead(self, version):
+        if version == 2 and 2 not in loads:
+            workers = json.loads((run / "services.json").read_text())["workers"]
+            pid = next(w["pid"] for w in workers if w["role"] == "inference")
+            os.killpg(pid, signal.SIGKILL)
+        loads.append(version)
+        await load(self, version)
+
+    monkeypatch.setattr(WeightPublisher, "load", load_once_dead)
+    from asyncrl.trainers.rl import train
+
+    train(cfg)
+    log = (run / "logs" / "trainer.log").read_text()
+    assert loads == [1, 2, 2, 3, 4], log  # v2 again, on the restarted server
+    rows = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["inference/server_restarts"] == 1
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "weight update v2 failed" in log and "loading again" in log

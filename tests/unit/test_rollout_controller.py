@@ -105,6 +105,33 @@ def test_every_trajectory_in_every_batch_respects_the_staleness_bound(eta, slow_
         assert sorted(seen[:4]) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("eta, slow_ids", [(0, {5}), (1, {5}), (3, {1, 5, 6, 9, 14})])
+def test_the_bound_holds_when_the_servers_learn_each_version_late(eta, slow_ids):
+    # actor.weight_update_overlap: the trainer takes batch k at its own version k while the
+    # servers still load k (announced 0-40 ms later, from another thread, in order).
+    import threading
+
+    ctrl = make_controller(eta, workflow=SleepyWorkflow(slow_ids=slow_ids, seed=eta))
+    rng, timers = random.Random(eta), []
+    ctrl.start()
+    try:
+        for step in range(8):
+            batch, stats = ctrl.next_batch(timeout=30, version=step)
+            for t in batch:
+                assert 0 <= step - t.start_version <= eta
+            assert stats["rollout/staleness_max"] == max(step - t.start_version for t in batch)
+            if timers:  # as the trainer: the previous load ends before the next begins
+                timers[-1].join()
+            timers.append(threading.Timer(rng.uniform(0, 0.04), ctrl.set_version, (step + 1,)))
+            timers[-1].start()
+        for timer in timers:
+            timer.join()
+        with pytest.raises(ValueError, match="servers hold version 8"):
+            ctrl.next_batch(timeout=1, version=7)
+    finally:
+        ctrl.stop()
+
+
 def test_groups_stay_contiguous_in_a_batch():
     ctrl = make_controller(1, workflow=SleepyWorkflow(group_size=3))
     ctrl.start()

@@ -147,6 +147,12 @@ class ActorConfig:
     # 0 and the servers, in buckets of weight_update_bucket_mb MiB; weights/broadcast.py).
     weight_update_mode: Literal["disk", "broadcast"] = "disk"
     weight_update_bucket_mb: int = 256
+    # Disk mode with the trainer inline: the servers load version N while the trainer trains
+    # step N + 1; new episodes start under N once every server holds it, and the trainer
+    # waits for that load only before its next publish, an evaluation or a recover
+    # checkpoint. false: each publish waits for the load (broadcasts and the weight-update
+    # service always do: the trainer sends).
+    weight_update_overlap: bool = True
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")

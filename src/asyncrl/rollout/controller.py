@@ -169,30 +169,39 @@ class RolloutController:
         self._poke()
 
     # ---- the trainer's side ---------------------------------------------------------
-    def next_batch(self, timeout: float | None = None) -> tuple[Batch, dict[str, float]]:
-        """B episodes for training at the current version, oldest first, and their stats."""
+    def next_batch(self, timeout: float | None = None,
+                   version: int | None = None) -> tuple[Batch, dict[str, float]]:
+        """B episodes for training at weights `version`, oldest first, and their stats.
+
+        `version` defaults to the servers' (`set_version`); a trainer whose servers are still
+        loading its newest weights passes its own (k above), which is ahead of theirs.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._batch_ready():
+            k = self._version if version is None else version
+            if k < self._version:
+                raise ValueError(f"next_batch(version={version}): the servers hold version "
+                                 f"{self._version} already")
+            while not self._batch_ready(k):
                 self._raise_if_broken()
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no training batch within {timeout} s "
                                        f"({len(self._buffer)}/{self.batch_size} episodes ready)")
                 self._cond.wait(timeout=0.5)
             episodes, self._buffer = self._buffer[: self.batch_size], self._buffer[self.batch_size:]
-            stats = self._batch_stats(episodes, self._version)
+            stats = self._batch_stats(episodes, k)
             self._dropped_since_batch = 0
         self._poke()
         return Batch([t for e in episodes for t in e.trajectories]), stats
 
-    def _batch_ready(self) -> bool:
-        """Whether the B oldest finished episodes leave every other deadline reachable."""
+    def _batch_ready(self, k: int) -> bool:
+        """Whether the B oldest finished episodes leave every other deadline reachable at k."""
         if len(self._buffer) < self.batch_size:
             return False
         self._buffer.sort(key=lambda e: (e.start_version, e.seq))
         left = sorted([e.start_version for e in self._buffer[self.batch_size:]]
                       + [r.start_version for r in self._running.values()])
-        k, B = self._version, self.batch_size
+        B = self.batch_size
         # left[i] is the (i+1)-th earliest start; its deadline is left[i] + eta.
         return all(i + 1 <= (start + self.eta - k) * B for i, start in enumerate(left)
                    if start + self.eta < k + self.eta)

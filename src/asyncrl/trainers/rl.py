@@ -8,6 +8,7 @@ publishes the new weights to the servers (which switch mid-generation) and logs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from asyncrl.trainers.launch import launch
 from asyncrl.trainers.paths import RunPaths, setup_logging
 from asyncrl.trainers.periodic import Periodic
 from asyncrl.training.worker import RLWorker
-from asyncrl.weights import make_publisher, transfer_backend
+from asyncrl.weights import WeightPublisher, make_publisher, transfer_backend
 from asyncrl.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,13 @@ class RLTrainer:
             self.publisher: Any = weight_update
         else:
             self.publisher = self._make_publisher()
+        # The servers load while the trainer trains (`_publish`): the version the trainer's
+        # weights are at, the load still running (its version and future), its timing.
+        self._overlap = (cfg.actor.weight_update_overlap
+                         and isinstance(self.publisher, WeightPublisher))
+        self._version = 0
+        self._loading: tuple[int, concurrent.futures.Future] | None = None
+        self._load_stats: dict[str, float] = {}
         resuming = cfg.recover.mode != "disabled" and recover.has_checkpoint(paths.recover)
         if resuming:
             step = recover.checkpoint_step(paths.recover)
@@ -189,15 +197,14 @@ class RLTrainer:
 
     def train(self) -> dict[str, Any]:
         """The loop: batch -> proximal log-probs -> advantages -> step -> publish -> log."""
-        step = self._restore()
+        step = self._version = self._restore()
         self.rollout.start(paused=True)
         if self.agents is not None:
             url = self.rollout.run_coroutine(self.agents.start())
             self.summary["agent_base_url"] = url
             logger.info("agent proxy: %s (%s mode)", url, self.cfg.agent.mode)
         if step > 0:  # the servers start from the base model: give them the resumed weights
-            self.publisher.publish(self.trainer, version=step)
-            self._announce_version(step)
+            self._publish(step, overlap=False)
         self.rollout.resume()
         # The first evaluation runs beside the first batch's rollout and training step (both
         # read the initial weights), leaving the batch's samples their slots on the server;
@@ -219,8 +226,8 @@ class RLTrainer:
                 pending_eval()
                 pending_eval = None
             with timer("publish_s"):
+                stats |= self._settle_publish()  # the previous version's load, if still on
                 stats |= self._publish(step + 1)
-            self._announce_version(step + 1)
             step += 1
             stats |= _throughput(batch, timer.stats())
             self._restart_dead_workers()
@@ -238,6 +245,7 @@ class RLTrainer:
         bar.close()
         if pending_eval is not None:  # no step ran (total_train_steps reached already)
             pending_eval()
+        self._settle_publish()
         self.rollout.pause()
         if self.cfg.evaluator.after_training and self.valid_items:
             self._evaluate(step, "eval_after")
@@ -266,25 +274,72 @@ class RLTrainer:
                 f.writelines(json.dumps({"step": step, **r}) + "\n" for r in reports)
 
     def _next_batch(self) -> tuple[Batch, dict[str, float]]:
-        """The rollout's next batch. While it waits, servers that died are restarted: with
-        every server dead no episode can finish, and the wait would never end."""
+        """The rollout's next batch, for the trainer's weights (the servers may still be
+        loading them). While it waits, servers that died are restarted (with every server
+        dead no episode can finish, and the wait would never end), and a weight load that
+        failed meanwhile is dealt with (without it no episode of the new version starts)."""
         while True:
             try:
-                return self.rollout.next_batch(timeout=SERVER_CHECK_S)
+                return self.rollout.next_batch(timeout=SERVER_CHECK_S, version=self._version)
             except TimeoutError:
+                if self._loading is not None and self._loading[1].done():
+                    self._load_stats = self._settle_publish()
                 self._restart_dead_workers()
 
-    def _publish(self, version: int) -> dict[str, float]:
-        """Publish `version`; if that failed because servers died, restart them and publish
-        once more (they come back at the previous version, then load this one)."""
+    def _publish(self, version: int, overlap: bool | None = None) -> dict[str, float]:
+        """Publish `version`: save it, have every server load it, announce it. With
+        `actor.weight_update_overlap` (disk mode, the trainer inline) the load and the
+        announcement run on the rollout loop while training goes on (`_settle_publish`
+        waits for them); otherwise here. If the load failed because servers died, restart
+        them and load once more (they come back at the previous version, then load this one)."""
+        overlap = self._overlap if overlap is None else overlap
+        self._version = version
+        if not overlap:
+            try:
+                stats = self.publisher.publish(self.trainer, version=version)
+            except WeightUpdateError as e:
+                if not self._restart_dead_servers(checks=1):
+                    raise
+                logger.warning("weight update v%d failed (%s); restarted the dead servers, "
+                               "publishing again", version, e)
+                stats = self.publisher.publish(self.trainer, version=version)
+            self._announce_version(version)
+            return stats
+        stats = self.publisher.save(self.trainer, version)
+
+        async def load_and_announce() -> float:
+            t0 = time.monotonic()
+            await self.publisher.load(version)
+            if self.agents is not None:
+                await self.agents.set_version(version)
+            self.rollout.set_version(version)
+            return time.monotonic() - t0
+
+        self._loading = (version, self.rollout.submit_coroutine(load_and_announce()))
+        return stats
+
+    def _settle_publish(self) -> dict[str, float]:
+        """Wait for the load of the last published version (if it still runs) and announce
+        it; its timing, from this call or from `_next_batch`'s (once per version). A failed
+        load is handled as `_publish` handles one: dead servers restarted, loaded again."""
+        stats, self._load_stats = self._load_stats, {}
+        if self._loading is None:
+            return stats
+        (version, future), self._loading = self._loading, None
+        t0 = time.monotonic()
         try:
-            return self.publisher.publish(self.trainer, version=version)
+            return stats | {"perf/weights_load_s": future.result()}
         except WeightUpdateError as e:
             if not self._restart_dead_servers(checks=1):
                 raise
             logger.warning("weight update v%d failed (%s); restarted the dead servers, "
-                           "publishing again", version, e)
-            return self.publisher.publish(self.trainer, version=version)
+                           "loading again", version, e)
+            self.rollout.run_coroutine(self.publisher.load(version))
+        except AgentServiceError:  # the servers hold it; the agent service could not learn it
+            if not self._restart_dead_agent_service(checks=1, version=version):
+                raise
+        self._announce_version(version)
+        return stats | {"perf/weights_load_s": time.monotonic() - t0}
 
     def _restart_dead_servers(self, checks: int = 2) -> int:
         """Restart each inference server that failed its health check `checks` times in a
@@ -358,9 +413,11 @@ class RLTrainer:
         if self.saver.due(step, now) or (step == self.total_steps and self.saver.enabled):
             self.trainer.save_hf(str(self.paths.checkpoints / f"step{step}"), with_critic=True)
         if self.cfg.recover.mode != "disabled" and self.checkpointer.due(step, now):
+            self._load_stats |= self._settle_publish()  # the rollout's state at `step`
             recover.save_checkpoint(self.paths.recover, trainer=self.trainer,
                                     rollout=self.rollout, trainer_state={"step": step})
         if self.valid_items and self.evaluator.due(step, now) and step < self.total_steps:
+            self._load_stats |= self._settle_publish()  # evaluate the weights of `step`
             self._evaluate(step, f"eval_step{step}")
 
     def _evaluate(self, step: int, name: str) -> None:

@@ -6,6 +6,10 @@ under a timeout). A server that does not answer raises an error; nothing waits f
 The folder is written as `v<N>.tmp` and renamed when whole, so no server is ever pointed at
 a half-written version; a write that fails (a full or read-only disk) raises
 `PublishError` before any server is touched, and they keep serving the previous version.
+
+`publish` does both in turn. The two halves are also public: `save` (the trainer's part)
+and `load` (a coroutine on the client's loop), so that the trainer can go on training
+while the servers load (`actor.weight_update_overlap`, trainers/rl.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ class WeightPublisher:
 
     def publish(self, actor: TrainEngine, version: int) -> dict[str, float]:
         """Save weights `version` and load them on every server; returns timings."""
+        stats = self.save(actor, version)
+        t0 = time.monotonic()
+        self._run(self.load(version))
+        return stats | {"perf/weights_load_s": time.monotonic() - t0}
+
+    def save(self, actor: TrainEngine, version: int) -> dict[str, float]:
+        """Write weights `version` whole under `path(version)`; PublishError if that failed."""
         t0 = time.monotonic()
         path = self.path(version)
         tmp = path.with_name(path.name + ".tmp")
@@ -60,12 +71,15 @@ class WeightPublisher:
             raise PublishError(f"writing weights v{version} to {tmp} failed ({e}); the "
                                f"servers keep serving v{version - 1}. Free space or make "
                                f"the run folder writable") from e
-        t1 = time.monotonic()
-        self._run(self.engine.update_weights_from_disk(str(path), version))
-        t2 = time.monotonic()
+        return {"perf/weights_save_s": time.monotonic() - t0}
+
+    async def load(self, version: int) -> None:
+        """Every server loads the saved `version` (WeightUpdateError names any that failed);
+        then versions older than `keep_last` are removed."""
+        t0 = time.monotonic()
+        await self.engine.update_weights_from_disk(str(self.path(version)), version)
         self._prune(version)
-        logger.debug("published weights v%d (save %.2fs, load %.2fs)", version, t1 - t0, t2 - t1)
-        return {"perf/weights_save_s": t1 - t0, "perf/weights_load_s": t2 - t1}
+        logger.debug("servers hold weights v%d (load %.2fs)", version, time.monotonic() - t0)
 
     def close(self) -> None:
         """Nothing to release (the same interface as `BroadcastPublisher`)."""
