@@ -8,9 +8,10 @@ next step then takes every page of those buffers again as a page fault, which th
 zeroes first. On the quickstart's step that was ~370k minor faults (1.4 GB) per step and
 ~15% of the step's time (`benchmarks/train_step.py`, "heap kept").
 
-`keep_freed_memory()` turns both off for the process: large blocks come from the heap and
-freed memory stays there for reuse. The process holds on to its high-water mark, which
-the next step needs again anyway. It changes nothing where malloc is not glibc's (the
+`keep_freed_memory()` fixes the threshold at 32 MiB, so blocks up to that size come from
+the heap, and turns trimming off, so freed memory stays there for reuse (larger blocks are
+still mapped and unmapped: see the comment in the function). The process holds on to its
+high-water mark, which the next step needs again anyway. It changes nothing where malloc is not glibc's (the
 calls are then absent or ignored) and is not used on GPUs, whose activations live in
 torch's caching allocator already.
 """
