@@ -6,16 +6,88 @@ projections and MLPs on it was about an eighth of a quickstart step's work. Here
 attention sees the rows: queries, keys and values are scattered into them, SDPA runs with
 the pack's mask, and the output is gathered back to the nodes. Without `trie_slots` (a
 padded batch, or a model used elsewhere) it is HF's SDPA attention unchanged.
+
+On the CPU in bf16, a packed row's attention is small (a few hundred keys) and mostly masked,
+and SDPA's flash kernel ran its backward at ~75 GFLOP/s, a sixth of a quickstart step. There
+the attention runs as two bf16 matmuls around a masked softmax in C
+(`engine/kernels/masked_softmax.c`), keeping the probabilities for backward, whose four
+matmuls and softmax gradient are written out here: ~3x faster forward and backward together
+(`benchmarks/train_step.py`, "attn" column). Its scores are rounded to bf16 once before the
+softmax, as SDPA's math path does; flash keeps them in float32, so the two differ by bf16
+roundings (tests/unit/test_trie_attention.py states the tolerance). Where one layer's
+probabilities would pass `MATMUL_ATTENTION_BYTES` (long rows), flash runs as before.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 NAME = "asyncrl_trie"
+# The matmul path where it applies (tests and benchmarks switch it off to run SDPA's flash).
+USE_KERNELS = True
+# The most bytes of bf16 probabilities [R, H, L, L] one layer may keep for backward on the
+# matmul path (the quickstart's rows: ~3.5 MB); larger packs take flash, which keeps none.
+MATMUL_ATTENTION_BYTES = 32 << 20
+
+
+@functools.cache
+def _kernels() -> ctypes.CDLL | None:
+    from asyncrl.engine import kernels
+
+    p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    return kernels.bind("masked_softmax", {
+        "masked_softmax_fwd_bf16": [p, p, i32, i32, i32, f32, p, i32],
+        "masked_softmax_bwd_bf16": [p, p, i32, i32, f32, p, i32]})
+
+
+def _matmul_path(q: torch.Tensor, mask: torch.Tensor) -> bool:
+    rows, heads, width = q.shape[0], q.shape[1], q.shape[2]
+    return (USE_KERNELS and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and mask.dtype == torch.bool and mask.shape[1] == 1
+            and 2 * rows * heads * width * width <= MATMUL_ATTENTION_BYTES
+            and _kernels() is not None)
+
+
+class _MatmulAttention(torch.autograd.Function):
+    """softmax(scale q k^T, masked) v for q [R, H, L, D], k and v [R, KV, L, D] (query head h
+    reads key head h // (H / KV)), mask [R, 1, L, L] bool; returns [R, H, L, D]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor, scale: float) -> torch.Tensor:
+        rows, heads, width, dim = q.shape
+        kv = k.shape[1]
+        # the query heads of one key head as one matrix: [R, KV, g * L, D]
+        qg = q.reshape(rows, kv, heads // kv * width, dim)
+        scores = torch.matmul(qg, k.transpose(-1, -2))  # [R, KV, g * L, L] = [R, H, L, L]
+        probs = torch.empty_like(scores)
+        allowed = mask.contiguous().view(torch.uint8)
+        _kernels().masked_softmax_fwd_bf16(scores.data_ptr(), allowed.data_ptr(), rows, heads,
+                                           width, scale, probs.data_ptr(),
+                                           torch.get_num_threads())
+        del scores
+        ctx.save_for_backward(qg, k, v, probs)
+        ctx.scale, ctx.q_shape = scale, q.shape
+        return torch.matmul(probs, v).view(rows, heads, width, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qg, k, v, probs = ctx.saved_tensors
+        grad = grad.reshape(qg.shape)  # [R, KV, g * L, D]
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad)  # sums over the g query heads
+        grad_scores = torch.matmul(grad, v.transpose(-1, -2)).contiguous()
+        _kernels().masked_softmax_bwd_bf16(probs.data_ptr(), grad_scores.data_ptr(),
+                                           probs.numel() // probs.shape[-1], probs.shape[-1],
+                                           ctx.scale, grad_scores.data_ptr(),
+                                           torch.get_num_threads())
+        grad_q = torch.matmul(grad_scores, k).view(ctx.q_shape)
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), qg)
+        return grad_q, grad_k, grad_v, None, None
 
 
 def trie_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -34,11 +106,16 @@ def trie_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          "(PrefixPack.model_inputs)")
     rows, width = attention_mask.shape[0], attention_mask.shape[-1]
     q, k, v = (_to_rows(x, trie_slots, rows, width) for x in (query, key, value))
-    # Grouped-query attention by SDPA itself: HF would repeat the keys and values per query
-    # head first (copies, and a sum over the copies in backward).
-    out = nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=attention_mask, scale=kwargs.get("scaling"),
-        enable_gqa=q.shape[1] != k.shape[1])
+    scale = kwargs.get("scaling")
+    if _matmul_path(q, attention_mask):
+        out = _MatmulAttention.apply(q, k, v, attention_mask,
+                                     q.shape[-1] ** -0.5 if scale is None else scale)
+    else:
+        # Grouped-query attention by SDPA itself: HF would repeat the keys and values per
+        # query head first (copies, and a sum over the copies in backward).
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).flatten(0, 1)[trie_slots][None], None  # [1, N, H, D]
 
 

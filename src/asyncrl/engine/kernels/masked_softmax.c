@@ -1,0 +1,75 @@
+/* The softmax of the trainer's trie attention (training/attention.py), forward and backward,
+ * over bf16 score rows under a boolean mask shared by the heads:
+ *
+ *   forward   p = softmax(scale * s) over the keys the mask allows (others 0)
+ *   backward  ds = scale * p * (dp - sum_j p_j dp_j)
+ *
+ * s, p, dp, ds: [R, H, L, L] bf16 (row (r, h, i) holds query i's scores over the L keys);
+ * mask: [R, L, L] bytes, 1 where query i may attend to key j (every row allows its query's
+ * own key, so no row is empty). Each row is computed in float32 from cache and rounded once,
+ * as torch's masked_fill + softmax and its softmax backward do; these replace 3 passes over
+ * the [R, H, L, L] tensors forward and 2 backward.
+ *
+ * Compiled at first use by kernels/__init__.py; torch's thread pool is shared (libgomp).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#include "common.h"
+
+void masked_softmax_fwd_bf16(const uint16_t *s, const uint8_t *mask, int R, int H, int L,
+                             float scale, uint16_t *p, int nthreads) {
+    const int rows = R * H * L;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int lo, hi;
+        share(rows, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        float buf[L];
+        for (int row = lo; row < hi; row++) {
+            const int r = row / (H * L), i = row % L;
+            const uint8_t *m = mask + ((int64_t)r * L + i) * L;
+            const uint16_t *sr = s + (int64_t)row * L;
+            uint16_t *pr = p + (int64_t)row * L;
+            float top = -INFINITY;
+#pragma omp simd reduction(max:top)
+            for (int j = 0; j < L; j++) {
+                const float x = m[j] ? scale * bf16_to_f32(sr[j]) : -INFINITY;
+                buf[j] = x;
+                top = x > top ? x : top;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+            for (int j = 0; j < L; j++) {
+                const float e = m[j] ? exp_neg(buf[j] - top) : 0.0f;  /* -inf - top: clamped */
+                buf[j] = e;
+                sum += e;
+            }
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int j = 0; j < L; j++)
+                pr[j] = f32_to_bf16(buf[j] * inv);
+        }
+    }
+}
+
+/* ds may be dp (written in place). */
+void masked_softmax_bwd_bf16(const uint16_t *p, const uint16_t *dp, int rows, int L,
+                             float scale, uint16_t *ds, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        int lo, hi;
+        share(rows, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        for (int row = lo; row < hi; row++) {
+            const uint16_t *pr = p + (int64_t)row * L, *gr = dp + (int64_t)row * L;
+            uint16_t *out = ds + (int64_t)row * L;
+            float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+            for (int j = 0; j < L; j++)
+                dot += bf16_to_f32(pr[j]) * bf16_to_f32(gr[j]);
+#pragma omp simd
+            for (int j = 0; j < L; j++)
+                out[j] = f32_to_bf16(scale * bf16_to_f32(pr[j]) * (bf16_to_f32(gr[j]) - dot));
+        }
+    }
+}
