@@ -227,6 +227,29 @@ def test_packed_gemm_is_the_float32_product_rounded_once(m, n, k, bias):
     torch.set_num_threads(2)
 
 
+@pytest.mark.skipif(kernels is None or not kernels.has_amx, reason="no AMX on this CPU")
+@pytest.mark.parametrize("silu", [False, True])
+def test_amx_tiles_match_the_avx512_tiles_and_keep_each_row_independent_of_the_batch(silu):
+    gen = torch.Generator().manual_seed(7)
+    k, n = 576, 160 if not silu else 192
+    x = torch.randn(37, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    packed = PackedMatrix.pack(w, silu=silu)
+    bias = PackedMatrix.pack_bias(b, silu=silu) if silu else b
+    try:
+        kernels.use_amx(0)
+        avx = linear(x, packed, bias)
+        kernels.use_amx(1)
+        amx = linear(x, packed, bias)
+    finally:
+        kernels.use_amx(1)
+    assert ulps(amx, avx) <= 2  # two float32 orders of the same sum, each rounded once
+    # a row alone (a padded tile), in a whole tile, or in a partial second one: the same bits
+    for rows in (slice(0, 1), slice(3, 19), slice(0, 37), slice(30, 37)):
+        assert torch.equal(linear(x[rows], packed, bias), amx[rows])
+
+
 @needs_gemm
 def test_packed_gemm_reads_and_writes_strided_rows():
     gen = torch.Generator().manual_seed(3)

@@ -36,6 +36,12 @@ class DecodeKernels:
                                           p, i32]
             for fn in (self.gemm, self.gemm_silu, self.forward_rows):
                 fn.restype = None
+            # AMX tiles under the same matmuls where the CPU and Linux allow them
+            self.has_amx = bool(lib.gemm_has_amx())
+            self.use_amx = lib.gemm_use_amx
+            self.use_amx.argtypes, self.use_amx.restype = [i32], None
+        else:
+            self.has_amx = False
         self.add_rms_norm = lib.add_rms_norm_bf16
         self.add_rms_norm.argtypes = [p, p, p, p, i32, i32, f32, p]
         self.silu_mul = lib.silu_mul_bf16
