@@ -13,9 +13,9 @@ plain with bf16 copies of its weights, `training/precision.py`, the default; and
 trainer's C kernels off or on: the log-prob head's and RMSNorm's, `training/logprob_head.py`
 and `training/norm.py`; and freed memory kept for the next step or handed back as glibc does,
 `training/heap.py`; and the trie attention as bf16 matmuls around a C softmax or as SDPA's
-flash kernel, `training/attention.py`) it prints the median seconds of each phase, the trained tokens per
-second (every token of every trajectory, prompt included, per whole step), the model
-FLOP utilisation, and the page faults per step (thousands, "kfault"):
+flash kernel, `training/attention.py`) it prints the median seconds of each phase, the
+trained tokens per second (every token of every trajectory, prompt included, per whole
+step), the model FLOP utilisation, and the page faults per step (thousands, "kfault"):
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
           / the measured bf16 matmul peak of the same number of threads

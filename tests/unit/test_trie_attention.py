@@ -110,19 +110,19 @@ def test_a_hidden_key_changes_the_output():
     assert float((right - moved).abs().max()) > 10 * TOL * float(right.abs().max())
 
 
-def test_the_trie_attention_takes_flash_past_the_byte_budget(monkeypatch):
+def test_the_trie_attention_runs_the_matmul_path_within_the_byte_budget_and_flash_past_it(
+        monkeypatch):
     (q, k, v, _), mask = inputs(0, rows=1)
     slots = torch.arange(q.shape[2])
-    calls = []
-    monkeypatch.setattr(attention._MatmulAttention, "apply",
-                        lambda *a: calls.append(1) or attention.nn.functional.
-                        scaled_dot_product_attention(a[0], a[1], a[2], attn_mask=a[3],
-                                                     enable_gqa=True))
-    module = torch.nn.Module()
-    # one packed row holding the nodes in order: [1, H, N, D] on the nodes
-    node_q, node_k, node_v = q, k, v
-    attention.trie_attention(module, node_q, node_k, node_v, mask, trie_slots=slots)
-    assert calls == [1]
+
+    def trie():  # one packed row holding the nodes in order: [1, H, N, D] on the nodes
+        return attention.trie_attention(torch.nn.Module(), q, k, v, mask, trie_slots=slots)[0][0]
+
+    scale = q.shape[-1] ** -0.5
+    matmul = attention._MatmulAttention.apply(q, k, v, mask, scale)[0].transpose(0, 1)
+    flash = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert not torch.equal(matmul, flash)  # the two paths are told apart by their roundings
+    torch.testing.assert_close(trie(), matmul, atol=0, rtol=0)
     monkeypatch.setattr(attention, "MATMUL_ATTENTION_BYTES", 0)
-    attention.trie_attention(module, node_q, node_k, node_v, mask, trie_slots=slots)
-    assert calls == [1]  # flash ran
+    torch.testing.assert_close(trie(), flash, atol=0, rtol=0)

@@ -11,7 +11,7 @@ On the CPU in bf16, a packed row's attention is small (a few hundred keys) and m
 and SDPA's flash kernel ran its backward at ~75 GFLOP/s, a sixth of a quickstart step. There
 the attention runs as two bf16 matmuls around a masked softmax in C
 (`engine/kernels/masked_softmax.c`), keeping the probabilities for backward, whose four
-matmuls and softmax gradient are written out here: ~3x faster forward and backward together
+matmuls and softmax gradient are written out here: ~2x faster forward and backward together
 (`benchmarks/train_step.py`, "attn" column). Its scores are rounded to bf16 once before the
 softmax, as SDPA's math path does; flash keeps them in float32, so the two differ by bf16
 roundings (tests/unit/test_trie_attention.py states the tolerance). Where one layer's

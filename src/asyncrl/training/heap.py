@@ -11,9 +11,9 @@ zeroes first. On the quickstart's step that was ~370k minor faults (1.4 GB) per 
 `keep_freed_memory()` fixes the threshold at 32 MiB, so blocks up to that size come from
 the heap, and turns trimming off, so freed memory stays there for reuse (larger blocks are
 still mapped and unmapped: see the comment in the function). The process holds on to its
-high-water mark, which the next step needs again anyway. It changes nothing where malloc is not glibc's (the
-calls are then absent or ignored) and is not used on GPUs, whose activations live in
-torch's caching allocator already.
+high-water mark, which the next step needs again anyway. It changes nothing where malloc
+is not glibc's (the calls are then absent or ignored) and is not used on GPUs, whose
+activations live in torch's caching allocator already.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
  *
  * forward_rows_bf16 runs a whole forward pass of any set of token rows (a decode step,
  * prompts, or both) in one OpenMP parallel region: products on prepacked weights with
- * AVX512-BF16 dot products (gemm_part), and between them residual add + RMSNorm, optional
+ * AVX512-BF16 dot products or AMX tiles where present (gemm_part), and between them residual add + RMSNorm, optional
  * per-head q/k RMSNorm, rotary embedding, KV-cache write and attention over each row's
  * exact length, SiLU. sample_rows_bf16 draws the next tokens. The per-op entry points
  * (add_rms_norm_bf16, rope_attention_bf16, silu_mul_bf16) serve CPUs without AVX512-BF16,
