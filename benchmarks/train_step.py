@@ -13,7 +13,8 @@ plain with bf16 copies of its weights, `training/precision.py`, the default; and
 trainer's C kernels off or on: the log-prob head's and RMSNorm's, `training/logprob_head.py`
 and `training/norm.py`; and freed memory kept for the next step or handed back as glibc does,
 `training/heap.py`; and the trie attention as bf16 matmuls around a C softmax or as SDPA's
-flash kernel, `training/attention.py`) it prints the median seconds of each phase, the
+flash kernel, `training/attention.py`; and the tied embedding's gradient added into its fp32
+master by the head and the lookup or through autograd, `training/precision.py`) it prints the median seconds of each phase, the
 trained tokens per second (every token of every trajectory, prompt included, per whole
 step), the model FLOP utilisation, and the page faults per step (thousands, "kfault"):
 
@@ -44,7 +45,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import FSDPTrainEngine, attention, heap, logprob_head, norm
+from asyncrl.training import FSDPTrainEngine, attention, heap, logprob_head, norm, precision
 from asyncrl.training import engine as engine_module
 from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
@@ -115,13 +116,14 @@ def computed_tokens(engine: FSDPTrainEngine, batch: TensorBatch) -> tuple[int, i
 
 
 def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, kernels: bool,
-            keep: bool, matmul_attention: bool) -> dict[str, float]:
+            keep: bool, matmul_attention: bool, sink: bool) -> dict[str, float]:
     """One configuration's median phases, tokens and page faults per step, in this process."""
     torch.set_num_threads(threads)
     engine_module.FSDP_ON_ONE_RANK = fsdp
     logprob_head.USE_KERNELS = norm.USE_KERNELS = kernels
     heap.KEEP_FREED_MEMORY = keep
     attention.USE_KERNELS = matmul_attention
+    precision.GRADS_TO_MASTER = sink
     spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                            mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
     engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
@@ -158,23 +160,25 @@ def main() -> None:
           "own process")
     print("bf16 matmul peak: " + ", ".join(f"{t} thread(s) {peaks[t] / 1e9:.0f} GFLOP/s"
                                            for t in args.threads))
-    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'C':>5} {'heap':>5} {'attn':>6} | "
+    header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'C':>5} {'heap':>5} {'attn':>6} "
+              f"{'sink':>5} | "
               + " ".join(f"{p:>9}" for p in PHASES)
               + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7} {'kfault':>6}")
     print(header)
     print("-" * len(header))
     rows = {}
-    # (shared prefix, FSDP2 on the one rank, C kernels, freed memory kept, matmul attention):
-    # the later levers one at a time.
-    levers = ((False, False, True, True, True), (True, True, True, True, True),
-              (True, False, False, True, True), (True, False, True, False, True),
-              (True, False, True, True, False), (True, False, True, True, True))
+    # (shared prefix, FSDP2 on the one rank, C kernels, freed memory kept, matmul attention,
+    # gradient sink): the later levers one at a time.
+    levers = ((False, False, True, True, True, True), (True, True, True, True, True, True),
+              (True, False, False, True, True, True), (True, False, True, False, True, True),
+              (True, False, True, True, False, True), (True, False, True, True, True, False),
+              (True, False, True, True, True, True))
     argv = ["--model", args.model, "--groups", str(args.groups), "--samples", str(args.samples),
             "--prompt", str(args.prompt), "--dtype", args.dtype, "--repeats", str(args.repeats),
             "--max-tokens-per-mb", str(args.max_tokens_per_mb)]
     for threads in args.threads:
-        for shared, fsdp, kernels, keep, matmul_attention in levers:
-            config = [threads, shared, fsdp, kernels, keep, matmul_attention]
+        for shared, fsdp, kernels, keep, matmul_attention, sink in levers:
+            config = [threads, shared, fsdp, kernels, keep, matmul_attention, sink]
             out = subprocess.run([sys.executable, __file__, *argv, "--one", json.dumps(config)],
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -185,20 +189,22 @@ def main() -> None:
             rows[tuple(config)] = r["step"]
             print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} "
                   f"{'C' if kernels else 'torch':>5} {'kept' if keep else 'glibc':>5} "
-                  f"{'matmul' if matmul_attention and shared else 'flash':>6} | "
+                  f"{'matmul' if matmul_attention and shared else 'flash':>6} "
+                  f"{'on' if sink and not fsdp else 'off':>5} | "
                   + " ".join(f"{r[p]:9.3f}" for p in PHASES)
                   + f" | {r['step']:6.2f} {r['real'] / r['step']:6.0f} {mfu:5.1%} "
                   f"{step_mfu:7.1%} {r['faults'] / 1e3:6.0f}", flush=True)
     print(f"tokens: real {r['real']}, trie nodes {r['nodes']} "
           f"({r['real'] / r['nodes']:.2f}x fewer shared); "
           f"non-embedding params {r['params'] / 1e6:.1f}M")
-    base = rows[args.threads[0], False, False, True, True, True]
-    for (threads, shared, fsdp, kernels, keep, matmul_attention), step in rows.items():
+    base = rows[args.threads[0], False, False, True, True, True, True]
+    for (threads, shared, fsdp, kernels, keep, matmul_attention, sink), step in rows.items():
         print(f"speed-up vs {args.threads[0]} thread(s) padded: {threads} thread(s), shared "
               f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}, "
               f"{'C' if kernels else 'torch'} head and norms, freed memory "
               f"{'kept' if keep else 'as glibc does'}, trie attention "
-              f"{'as matmuls' if matmul_attention and shared else 'by flash'}: "
+              f"{'as matmuls' if matmul_attention and shared else 'by flash'}, tied "
+              f"embedding's gradient {'to its master' if sink and not fsdp else 'by autograd'}: "
               f"{base / step:.2f}x")
 
 

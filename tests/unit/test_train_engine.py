@@ -15,6 +15,7 @@ from asyncrl.models.tiny import make_tiny_model
 from asyncrl.training import (
     FSDPTrainEngine,
     logprob_head,
+    precision,
     split_across_ranks,
     split_by_token_budget,
 )
@@ -243,8 +244,10 @@ def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypat
     # One rank keeps bf16 copies of the fp32 masters instead of FSDP2's per-step gathers
     # (training/precision.py). Same casts, bf16 gradients summed in fp32 over micro-batches,
     # the tied embedding's two uses meeting in one copy: FSDP2's numbers exactly, over two
-    # steps of four micro-batches each, an eval forward between them.
+    # steps of four micro-batches each, an eval forward between them. (The tied embedding's
+    # gradient sink is off here: it sums those two uses in fp32, the next test.)
     monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 3 * 320)
+    monkeypatch.setattr(precision, "GRADS_TO_MASTER", False)
     results = []
     for fsdp in (True, False):
         monkeypatch.setattr(engine_module, "FSDP_ON_ONE_RANK", fsdp)
@@ -264,6 +267,47 @@ def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypat
     assert all(v.dtype == torch.float32 for v in params.values())  # fp32 masters stepped
     for name, value in params.items():
         assert torch.equal(value, fsdp_params[name]), name
+
+
+@pytest.mark.parametrize("overrides", [{}, {"shared_prefix": True}],
+                         ids=["plain", "shared_prefix"])
+@pytest.mark.parametrize("chunk, kept_bytes", [(3 * 320, 2 * 320 * 2 * 3), (10**6, 2**28)],
+                         ids=["chunks_kept_and_recomputed", "one_chunk_kept"])
+def test_tied_embedding_gradient_sink_changes_only_its_roundings(tiny_path, monkeypatch,
+                                                                  overrides, chunk, kept_bytes):
+    # With the sink the log-prob head and the input lookup add the tied embedding's
+    # gradient into its fp32 master themselves. Every other gradient is the autograd
+    # path's bit for bit; the embedding's differs only by the bf16 roundings of the sums
+    # that path makes (head + lookup in bf16 per micro-batch). The tolerance is well below
+    # the lookup's part: without it, or without the head's, the comparison fails.
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(logprob_head, "SAVED_TEMPLATE_BYTES", kept_bytes)
+    grads = []
+    for sink in (False, True):
+        monkeypatch.setattr(precision, "GRADS_TO_MASTER", sink)
+        engine = make_engine(tiny_path, dtype="bfloat16", mb_spec=MicroBatchSpec(
+            max_tokens_per_mb=12), **overrides)
+        assert engine._compute_weights is not None
+        clip = engine._clip_gradients
+        captured = {}
+
+        def capture(engine=engine, clip=clip, captured=captured):
+            captured.update({n: p.grad.clone() for n, p in engine.model.named_parameters()})
+            return clip()
+
+        monkeypatch.setattr(engine, "_clip_gradients", capture)
+        engine.train_batch(make_batch(seed=0), nll_loss)
+        grads.append(captured)
+        embed = engine.model.hf.get_input_embeddings().weight
+        names = {n for n, p in engine.model.named_parameters() if p is embed}
+        engine.destroy()
+    autograd, sunk = grads
+    assert autograd.keys() == sunk.keys() and len(names) == 1
+    (name,) = names
+    for other in autograd.keys() - names:
+        assert torch.equal(sunk[other], autograd[other]), other
+    scale = autograd[name].abs().max()
+    torch.testing.assert_close(sunk[name], autograd[name], rtol=2**-6, atol=float(scale) * 2**-8)
 
 
 def test_init_from_scratch_ignores_the_saved_weights(tiny_path):

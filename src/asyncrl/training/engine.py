@@ -42,7 +42,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.training import checkpoint, heap
+from asyncrl.training import checkpoint, heap, precision
 from asyncrl.training.attention import NAME as TRIE_ATTENTION
 from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.dist import init_process_group, local_device
@@ -88,8 +88,7 @@ class TokenLogprobModel(nn.Module):
         """
         chosen = targets[:, 1:]  # token t is predicted by the hidden state at t - 1
         if pack is None:
-            out = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                        use_cache=False)
+            out = self._decode(input_ids=input_ids, attention_mask=attention_mask)
             hidden = out.last_hidden_state[:, :-1][chosen]
             parts = self._logprobs(hidden, input_ids[:, 1:][chosen], with_entropy)
         else:
@@ -105,11 +104,20 @@ class TokenLogprobModel(nn.Module):
         in backward, into the one shared activation: the exact gradient.
         """
         use_trie_attention(self.hf)
-        out = self.hf.get_decoder()(**pack.model_inputs(), use_cache=False)
+        out = self._decode(**pack.model_inputs())
         nodes, spread = pack.chosen_nodes(chosen)
         hidden = pack.to_slots(out.last_hidden_state).flatten(0, 1)[pack.parent[nodes]]
         parts = self._logprobs(hidden, pack.input_ids.flatten()[nodes], with_entropy)
         return [values[spread] for values in parts]
+
+    def _decode(self, **inputs: torch.Tensor) -> Any:
+        """The decoder on `inputs`; the input embedding's gradient to its sink where it has
+        one (`precision.embedding`: the tied embedding's rows added in fp32)."""
+        embeds = precision.embedding(self.hf.get_input_embeddings(), inputs["input_ids"])
+        if embeds is not None:
+            del inputs["input_ids"]
+            inputs["inputs_embeds"] = embeds
+        return self.hf.get_decoder()(**inputs, use_cache=False)
 
     def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
                   with_entropy: bool) -> list[torch.Tensor]:
@@ -269,6 +277,8 @@ class FSDPTrainEngine:
         if cores.current() is not None:
             _follow_core_share(self.model.hf.get_decoder().layers)
         self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer)
+        if self._compute_weights is not None:
+            self._compute_weights.watch(self.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, self.spec.optimizer, self.total_steps)
 
     def _wrap(self, hf_model: nn.Module) -> nn.Module:
@@ -474,6 +484,8 @@ class FSDPTrainEngine:
     def load_state(self, path: str) -> None:
         """Restore what `save_state` wrote (the world size may differ)."""
         extra = checkpoint.load_train_state(path, self._require_model(), self.optimizer)
+        if self._compute_weights is not None:
+            self._compute_weights.invalidate()
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.steps_done = int(extra["steps_done"])
         torch.set_rng_state(extra["cpu_rng"])

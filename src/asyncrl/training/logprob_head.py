@@ -7,7 +7,11 @@ variant recomputes the whole projection in backward. Here the forward, which com
 softmax anyway, keeps that gradient template in the weights' dtype (bf16 in training: half
 of the fp32 logits); the backward scales it by the incoming gradient and runs the two matmuls.
 Templates beyond `SAVED_TEMPLATE_BYTES` are not kept: their chunks recompute the projection in
-backward, so memory stays bounded whatever the batch.
+backward, so memory stays bounded whatever the batch. The kept ones share one buffer, so the
+weight's gradient over them is one matmul (fp32 inside, rounded once) instead of a bf16 part
+per chunk summed in an fp32 copy of the whole vocabulary; where the weight is a compute copy
+with a gradient sink (the tied embedding, `training/precision.py`) that product goes straight
+into the fp32 master's gradient.
 
 On the CPU with bf16 weights the per-row work after the projection runs in C
 (`engine/kernels/logprob_head.c`): the log-softmax, entropy and template in three passes
@@ -25,6 +29,8 @@ import functools
 from typing import Any
 
 import torch
+
+from asyncrl.training import precision
 
 # Floats of one chunk of fp32 logits (128 MiB): bounds the memory of the projection.
 LOGIT_CHUNK_ELEMENTS = 2**25
@@ -77,42 +83,42 @@ def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _chunk_forward_c(h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor,
-                     temperature: float, with_entropy: bool, template: bool
+                     temperature: float, with_entropy: bool, template: torch.Tensor | None
                      ) -> tuple[torch.Tensor, ...]:
     """`_chunk_forward` in C: the bf16 logits become the template in place."""
-    logits = h @ weight.t()
+    logits = torch.mm(h, weight.t(), out=template) if template is not None else h @ weight.t()
     rows, vocab = logits.shape
     tok = tok.to(torch.int64).contiguous()
     logprobs = torch.empty(rows, dtype=torch.float32)
     entropy = torch.empty(rows, dtype=torch.float32) if with_entropy else None
     _kernels().head_rows_bf16(logits.data_ptr(), rows, vocab, tok.data_ptr(), temperature,
                               logprobs.data_ptr(), entropy.data_ptr() if with_entropy else None,
-                              int(template), torch.get_num_threads())
-    return logprobs, entropy, logits if template else None
+                              int(template is not None), torch.get_num_threads())
+    return logprobs, entropy
 
 
 def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor, temperature: float,
-                   with_entropy: bool, template: bool) -> tuple[torch.Tensor, ...]:
-    """One chunk: log-probs, entropies (or None) and the gradient template (or None)."""
+                   with_entropy: bool, template: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """One chunk: log-probs and entropies (or None); the gradient template written into
+    `template` where given."""
     logits = (h @ weight.t()).float()
     if temperature != 1.0:
         logits.div_(temperature)
     lse = logits.logsumexp(-1)
     logprobs = logits.gather(-1, tok[:, None]).squeeze(-1) - lse
-    if not (with_entropy or template):
-        return logprobs, None, None
+    if not (with_entropy or template is not None):
+        return logprobs, None
     p = (logits - lse[:, None]).exp_()  # softmax
     entropy = None
     if with_entropy:  # -sum p log p = lse - sum p z (sum p = 1)
         entropy = lse - torch.bmm(p[:, None, :], logits[:, :, None]).flatten()
     del logits
-    grad = None
-    if template:
+    if template is not None:
         p.neg_().scatter_add_(-1, tok[:, None], torch.ones_like(logprobs)[:, None])
         if temperature != 1.0:
             p.div_(temperature)
-        grad = p.to(weight.dtype)  # (onehot - softmax) / T
-    return logprobs, entropy, grad
+        template.copy_(p)  # (onehot - softmax) / T, in the weights' dtype
+    return logprobs, entropy
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -122,19 +128,21 @@ class _TokenLogprobs(torch.autograd.Function):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = chunk_rows(weight.shape[0])
         chunk_forward = _chunk_forward_c if _use_kernels(hidden, weight) else _chunk_forward
-        budget = SAVED_TEMPLATE_BYTES if needs_grad else -1
-        out, ent, templates = [], [], []
+        # The templates of the first rows that fit the budget, in one buffer: the weight's
+        # gradient is then one matmul over them (`backward`); later chunks recompute theirs.
+        kept = 0
+        if needs_grad:
+            per_row = weight.shape[0] * weight.element_size()
+            kept = min(hidden.shape[0], SAVED_TEMPLATE_BYTES // per_row // rows * rows)
+        templates = hidden.new_empty((kept, weight.shape[0]), dtype=weight.dtype)
+        out, ent = [], []
         for start in range(0, hidden.shape[0], rows):
             h, tok = hidden[start:start + rows], tokens[start:start + rows]
-            size = h.shape[0] * weight.shape[0] * weight.element_size()
-            keep = 0 <= size <= budget
-            logprobs, entropy, grad = chunk_forward(h, weight, tok, temperature,
-                                                    with_entropy, keep)
-            if keep:
-                budget -= size
+            template = templates[start:start + rows] if start < kept else None
+            logprobs, entropy = chunk_forward(h, weight, tok, temperature, with_entropy,
+                                              template)
             out.append(logprobs)
             ent.append(entropy if entropy is not None else logprobs.new_zeros(0))
-            templates.append(grad)  # None: recompute in backward
         ctx.temperature, ctx.rows, ctx.templates = temperature, rows, templates
         ctx.chunk_forward = chunk_forward
         if needs_grad:
@@ -147,34 +155,43 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, tokens = ctx.saved_tensors
+        templates, ctx.templates = ctx.templates, None  # freed when this returns
+        kept = templates.shape[0]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        want_weight = ctx.needs_input_grad[1]
+        sink = precision.grad_sink(weight) if want_weight else None
+        grad_weight = None  # fp32 sum of the recomputed chunks' parts (no sink)
         rows = ctx.rows
         in_c = ctx.chunk_forward is _chunk_forward_c
-        grad_weight = None
-        for i, start in enumerate(range(0, hidden.shape[0], rows)):
+        for start in range(0, hidden.shape[0], rows):
             h, tok = hidden[start:start + rows], tokens[start:start + rows]
-            template = ctx.templates[i]
-            if template is None:
-                template = ctx.chunk_forward(h, weight, tok, ctx.temperature, False, True)[2]
-            ctx.templates[i] = None  # free it as soon as it is used
+            if start < kept:
+                template = templates[start:start + rows]
+            else:
+                template = torch.empty((h.shape[0], weight.shape[0]), dtype=weight.dtype)
+                ctx.chunk_forward(h, weight, tok, ctx.temperature, False, template)
             g = grad_logprobs[start:start + rows].float()
             if in_c:  # dL/dz in place, each product in fp32 rounded once as autograd does
                 g = g.contiguous()
                 _kernels().scale_rows_bf16(template.data_ptr(), *template.shape, g.data_ptr(),
                                            torch.get_num_threads())
-                grad_z = template
             else:
-                grad_z = (template.float().mul_(g[:, None])).to(weight.dtype)
+                template.copy_(template.float().mul_(g[:, None]))
+            grad_z = template
             if grad_hidden is not None:
                 grad_hidden[start:start + rows] = grad_z @ weight
-            if ctx.needs_input_grad[1]:
+            if want_weight and start >= kept:  # a recomputed chunk: its own part
+                if sink is not None:
+                    sink.add_matmul(grad_z.t(), h)
+                    continue
                 part = grad_z.t() @ h
-                if grad_weight is None:
-                    grad_weight = part
-                else:  # several chunks: their parts summed in fp32
-                    if grad_weight.dtype != torch.float32:
-                        grad_weight = grad_weight.float()
-                    grad_weight.add_(part)
+                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+        if want_weight and kept:  # the kept chunks' part: one matmul over their rows
+            if sink is not None:
+                sink.add_matmul(templates.t(), hidden[:kept])
+            else:
+                part = templates.t() @ hidden[:kept]
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

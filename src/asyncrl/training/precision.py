@@ -17,6 +17,16 @@ The fp32 gradients live in buffers kept from step to step: `zero_grad(set_to_non
 drops the `.grad` references only, so the next step writes the same memory instead of
 taking fresh pages (the tied embedding's alone is 113 MB, past glibc's heap threshold:
 `training/heap.py`).
+
+The tied embedding takes a shorter way (`GradSink`, when `GRADS_TO_MASTER`): the log-prob
+head adds its weight gradient into the master's fp32 gradient itself, through one kept
+bf16 scratch, and the input embedding's backward adds its rows there with `index_add_`
+(`embedding`). Through autograd each micro-batch had built the head's gradient in fp32,
+rounded it to bf16, built the lookup's dense [V, H] gradient, summed the two in bf16 and
+added that to the master: five fresh embedding-sized tensors, ~0.6 s of the quickstart's
+4 s step at one thread, mostly page faults. The two uses now meet in fp32 (Megatron's
+`main_grad`, for the same reason), so the embedding's gradient differs from FSDP2's by its
+bf16 roundings and every other gradient is unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +37,81 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+# Gradients of the tied embedding straight into the fp32 master (off: through autograd, the
+# numbers of FSDP2 bit for bit; tests and the benchmark's A/B switch it).
+GRADS_TO_MASTER = True
+
+
+class GradSink:
+    """Adds gradients of one compute copy straight into its master's fp32 `.grad`."""
+
+    def __init__(self, master: nn.Parameter, weights: ComputeWeights, dtype: torch.dtype) -> None:
+        self._master, self._weights, self._dtype = master, weights, dtype
+        self._scratch: torch.Tensor | None = None
+
+    def add_matmul(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """master.grad += a @ b, the product rounded to the compute dtype first (as autograd
+        would return it), into a scratch kept from step to step."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self._master.shape, dtype=self._dtype,
+                                        device=self._master.device)
+        self._weights._add_to_master(self._master, torch.mm(a, b, out=self._scratch))
+
+    def index_add(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """master.grad[index] += rows, summed in fp32 (an embedding lookup's gradient)."""
+        self._weights._master_grad(self._master).index_add_(0, index, rows.float())
+
+
+WIDEN_CHUNK = 1 << 16  # elements: 256 KiB of fp32, cache-resident
+
+
+def add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
+    """total += part where part is narrower (fp32 += bf16): a cache-sized chunk at a time.
+
+    One `add_` across dtypes goes through TensorIterator's casting loop, ~4x slower than
+    widening a chunk and adding it (the tied embedding: 60 -> 20 ms at one thread).
+    """
+    if (part.dtype == total.dtype or part.shape != total.shape
+            or not (total.is_contiguous() and part.is_contiguous())):
+        total.add_(part)
+        return
+    flat, narrow = total.view(-1), part.view(-1)
+    for start in range(0, flat.numel(), WIDEN_CHUNK):
+        flat[start:start + WIDEN_CHUNK].add_(narrow[start:start + WIDEN_CHUNK].to(flat.dtype))
+
+
+def grad_sink(param: torch.Tensor) -> GradSink | None:
+    """The sink of a compute copy whose gradient may skip autograd, else None."""
+    return getattr(param, "_asyncrl_grad_sink", None) if GRADS_TO_MASTER else None
+
+
+class _EmbeddingToSink(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None,
+                sink: GradSink) -> torch.Tensor:
+        ctx.ids, ctx.padding_idx, ctx.sink = ids, padding_idx, sink
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, ...]:
+        ids, rows = ctx.ids.flatten(), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # nn.Embedding gives that row no gradient
+            keep = ids != ctx.padding_idx
+            ids, rows = ids[keep], rows[keep]
+        ctx.sink.index_add(ids, rows)
+        return None, None, None, None
+
+
+def embedding(module: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+    """`module(ids)` with the weight's gradient going to its sink; None where that does not
+    apply (no sink, no gradient wanted, or not a plain `nn.Embedding`): call the module."""
+    sink = grad_sink(module.weight) if torch.is_grad_enabled() else None
+    if (sink is None or type(module) is not nn.Embedding or module.max_norm is not None
+            or module.scale_grad_by_freq or module.sparse):
+        return None
+    return _EmbeddingToSink.apply(ids, module.weight, module.padding_idx, sink)
 
 
 class ComputeWeights:
@@ -36,6 +121,8 @@ class ComputeWeights:
         self._slots: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(master) -> pair
         self._grads: dict[int, torch.Tensor] = {}  # id(master) -> its fp32 gradient's buffer
+        self._seen: dict[int, tuple[int, int]] = {}  # id(master) -> (version, address) cast
+        self._stale = True
         for module in model.modules():
             for name, master in module._parameters.items():
                 if master is None:
@@ -47,16 +134,33 @@ class ComputeWeights:
                                     requires_grad=master.requires_grad)
                 if master.requires_grad:
                     copy.register_post_accumulate_grad_hook(partial(self._to_master, master))
+                    copy._asyncrl_grad_sink = GradSink(master, self, dtype)
                 self._pairs[id(master)] = (master, copy)
+
+    def invalidate(self) -> None:
+        """The masters changed: cast them all on the next `active()`."""
+        self._stale = True
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Cast again after each step of `optimizer`, which updates the masters."""
+        optimizer.register_step_post_hook(lambda *_: self.invalidate())
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """The modules compute with the copies (refreshed now) until the block ends; run
         the backward inside it, so that gradient checkpointing recomputes with them too."""
         with torch.no_grad():
-            for master, copy in self._pairs.values():
-                copy.copy_(master)
+            for key, (master, copy) in self._pairs.items():
+                # Cast again only what may have changed since the last cast: after an
+                # optimiser step (`watch`; the fused AdamW leaves version counters alone)
+                # or an in-place write such as a state load (it moves the counter). A
+                # step's recompute and training forwards then share one cast.
+                seen = (master._version, master.data_ptr())
+                if self._stale or self._seen.get(key) != seen:
+                    copy.copy_(master)
+                    self._seen[key] = seen
                 copy.grad = None  # left over only by a backward that failed midway
+            self._stale = False
         for module, name, master in self._slots:
             module._parameters[name] = self._pairs[id(master)][1]
         try:
@@ -68,10 +172,23 @@ class ComputeWeights:
     def _to_master(self, master: nn.Parameter, copy: nn.Parameter) -> None:
         """Move the copy's gradient of one backward into its master's fp32 gradient."""
         grad, copy.grad = copy.grad, None
+        if grad is not None:  # None: the backward sent it to the sink instead
+            self._add_to_master(master, grad)
+
+    def _add_to_master(self, master: nn.Parameter, grad: torch.Tensor) -> None:
         if master.grad is not None:
-            master.grad.add_(grad)
+            add_widened(master.grad, grad)
             return
+        master.grad = self._buffer(master).copy_(grad)
+
+    def _master_grad(self, master: nn.Parameter) -> torch.Tensor:
+        """The master's fp32 gradient, zeros if this step has none yet."""
+        if master.grad is None:
+            master.grad = self._buffer(master).zero_()
+        return master.grad
+
+    def _buffer(self, master: nn.Parameter) -> torch.Tensor:
         buffer = self._grads.get(id(master))
         if buffer is None:
             buffer = self._grads[id(master)] = torch.empty_like(master)
-        master.grad = buffer.copy_(grad)
+        return buffer
