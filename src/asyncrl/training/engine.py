@@ -46,6 +46,7 @@ from asyncrl.training import checkpoint, heap, precision
 from asyncrl.training.attention import NAME as TRIE_ATTENTION
 from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.dist import init_process_group, local_device
+from asyncrl.training.linear import use_contiguous_weight_grads
 from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.norm import use_fused_norms
@@ -264,6 +265,7 @@ class FSDPTrainEngine:
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
         use_fused_norms(hf_model)  # bf16 on the CPU: training/norm.py
+        use_contiguous_weight_grads(hf_model.get_decoder())  # bf16 on the CPU: linear.py
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from asyncrl.training.grad_ops import add_widened
+
 # Gradients of the tied embedding straight into the fp32 master (off: through autograd, the
 # numbers of FSDP2 bit for bit; tests and the benchmark's A/B switch it).
 GRADS_TO_MASTER = True
@@ -62,24 +64,6 @@ class GradSink:
     def index_add(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """master.grad[index] += rows, summed in fp32 (an embedding lookup's gradient)."""
         self._weights._master_grad(self._master).index_add_(0, index, rows.float())
-
-
-WIDEN_CHUNK = 1 << 16  # elements: 256 KiB of fp32, cache-resident
-
-
-def add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
-    """total += part where part is narrower (fp32 += bf16): a cache-sized chunk at a time.
-
-    One `add_` across dtypes goes through TensorIterator's casting loop, ~4x slower than
-    widening a chunk and adding it (the tied embedding: 60 -> 20 ms at one thread).
-    """
-    if (part.dtype == total.dtype or part.shape != total.shape
-            or not (total.is_contiguous() and part.is_contiguous())):
-        total.add_(part)
-        return
-    flat, narrow = total.view(-1), part.view(-1)
-    for start in range(0, flat.numel(), WIDEN_CHUNK):
-        flat[start:start + WIDEN_CHUNK].add_(narrow[start:start + WIDEN_CHUNK].to(flat.dtype))
 
 
 def grad_sink(param: torch.Tensor) -> GradSink | None:

@@ -1,6 +1,8 @@
 """Small C kernels, compiled with the system's C compiler at first use: the CPU decode path's
-(`decode.c`) and the trainer's log-prob head and RMSNorm (`logprob_head.c`, `rms_norm.c`;
-`training/logprob_head.py`, `training/norm.py`).
+(`decode.c`) and the trainer's log-prob head, RMSNorm, trie attention softmax and gradient
+passes (`logprob_head.c`, `rms_norm.c`, `masked_softmax.c`, `grad_ops.c`;
+`training/logprob_head.py`, `training/norm.py`, `training/attention.py`,
+`training/grad_ops.py`).
 
 Each kernel is a plain C file next to this module (with `common.h`, the helpers they
 share). `load()` compiles it once into the asyncrl cache and opens it with ctypes. The build
