@@ -6,17 +6,20 @@
 
 The step: the proximal log-probs recomputed (a forward without gradient; a run with one
 update per batch, as the quickstart, takes them from the training forward instead and skips
-it), then forward + backward of the policy loss over the micro-batches, gradient
-clipping and the fused AdamW step. For each configuration (threads x shared prefix off/on,
-and with shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or
-plain with bf16 copies of its weights, `training/precision.py`, the default; and the
-trainer's C kernels off or on: the log-prob head's and RMSNorm's, `training/logprob_head.py`
-and `training/norm.py`; and freed memory kept for the next step or handed back as glibc does,
-`training/heap.py`; and the trie attention as bf16 matmuls around a C softmax or as SDPA's
-flash kernel, `training/attention.py`; and the tied embedding's gradient added into its fp32
-master by the head and the lookup or through autograd, `training/precision.py`) it prints the median seconds of each phase, the
-trained tokens per second (every token of every trajectory, prompt included, per whole
-step), the model FLOP utilisation, and the page faults per step (thousands, "kfault"):
+it), then forward + backward of the policy loss over the micro-batches, gradient clipping
+and the fused AdamW step. For each configuration (threads x shared prefix off/on, and with
+shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or plain with
+bf16 copies of its weights, `training/precision.py`, the default; and the trainer's C
+kernels off or on: the log-prob head's, RMSNorm's, the MLP's SwiGLU product's and the
+gradient passes', `training/logprob_head.py`, `training/norm.py`, `training/mlp.py` and
+`training/grad_ops.py`; and freed memory kept for the next step or handed back as glibc
+does, `training/heap.py`; and the trie attention as bf16 matmuls around a C softmax or as
+SDPA's flash kernel, `training/attention.py`; and the tied embedding's gradient added into
+its fp32 master by the head and the lookup or through autograd, `training/precision.py`; and
+the linear layers' weight gradients from contiguous operands or autograd's,
+`training/linear.py`) it prints the median seconds of each phase, the trained tokens per
+second (every token of every trajectory, prompt included, per whole step), the model FLOP
+utilisation, and the page faults per step (thousands, "kfault"):
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
           / the measured bf16 matmul peak of the same number of threads
@@ -45,7 +48,17 @@ from shared_prefix import batch_arguments, quickstart_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import FSDPTrainEngine, attention, heap, logprob_head, norm, precision
+from asyncrl.training import (
+    FSDPTrainEngine,
+    attention,
+    grad_ops,
+    heap,
+    linear,
+    logprob_head,
+    mlp,
+    norm,
+    precision,
+)
 from asyncrl.training import engine as engine_module
 from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
@@ -116,14 +129,17 @@ def computed_tokens(engine: FSDPTrainEngine, batch: TensorBatch) -> tuple[int, i
 
 
 def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, kernels: bool,
-            keep: bool, matmul_attention: bool, sink: bool) -> dict[str, float]:
+            keep: bool, matmul_attention: bool, sink: bool,
+            contiguous: bool) -> dict[str, float]:
     """One configuration's median phases, tokens and page faults per step, in this process."""
     torch.set_num_threads(threads)
     engine_module.FSDP_ON_ONE_RANK = fsdp
-    logprob_head.USE_KERNELS = norm.USE_KERNELS = kernels
+    logprob_head.USE_KERNELS = norm.USE_KERNELS = mlp.USE_KERNELS = kernels
+    grad_ops.USE_KERNELS = kernels
     heap.KEEP_FREED_MEMORY = keep
     attention.USE_KERNELS = matmul_attention
     precision.GRADS_TO_MASTER = sink
+    linear.USE_CONTIGUOUS = contiguous
     spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                            mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
     engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
@@ -161,24 +177,24 @@ def main() -> None:
     print("bf16 matmul peak: " + ", ".join(f"{t} thread(s) {peaks[t] / 1e9:.0f} GFLOP/s"
                                            for t in args.threads))
     header = (f"{'threads':>7} {'shared':>6} {'wrap':>6} {'C':>5} {'heap':>5} {'attn':>6} "
-              f"{'sink':>5} | "
+              f"{'sink':>5} {'lin':>5} | "
               + " ".join(f"{p:>9}" for p in PHASES)
               + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7} {'kfault':>6}")
     print(header)
     print("-" * len(header))
     rows = {}
     # (shared prefix, FSDP2 on the one rank, C kernels, freed memory kept, matmul attention,
-    # gradient sink): the later levers one at a time.
-    levers = ((False, False, True, True, True, True), (True, True, True, True, True, True),
-              (True, False, False, True, True, True), (True, False, True, False, True, True),
-              (True, False, True, True, False, True), (True, False, True, True, True, False),
-              (True, False, True, True, True, True))
+    # gradient sink, contiguous weight gradients): the later levers one at a time.
+    on = (True, False, True, True, True, True, True)
+    levers = [(False, *on[1:])] + [
+        tuple(not v if i == lever else v for i, v in enumerate(on)) for lever in range(1, 7)
+    ] + [on]
     argv = ["--model", args.model, "--groups", str(args.groups), "--samples", str(args.samples),
             "--prompt", str(args.prompt), "--dtype", args.dtype, "--repeats", str(args.repeats),
             "--max-tokens-per-mb", str(args.max_tokens_per_mb)]
     for threads in args.threads:
-        for shared, fsdp, kernels, keep, matmul_attention, sink in levers:
-            config = [threads, shared, fsdp, kernels, keep, matmul_attention, sink]
+        for shared, fsdp, kernels, keep, matmul_attention, sink, contiguous in levers:
+            config = [threads, shared, fsdp, kernels, keep, matmul_attention, sink, contiguous]
             out = subprocess.run([sys.executable, __file__, *argv, "--one", json.dumps(config)],
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -190,21 +206,24 @@ def main() -> None:
             print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} "
                   f"{'C' if kernels else 'torch':>5} {'kept' if keep else 'glibc':>5} "
                   f"{'matmul' if matmul_attention and shared else 'flash':>6} "
-                  f"{'on' if sink and not fsdp else 'off':>5} | "
+                  f"{'on' if sink and not fsdp else 'off':>5} "
+                  f"{'contig' if contiguous else 'auto':>5} | "
                   + " ".join(f"{r[p]:9.3f}" for p in PHASES)
                   + f" | {r['step']:6.2f} {r['real'] / r['step']:6.0f} {mfu:5.1%} "
                   f"{step_mfu:7.1%} {r['faults'] / 1e3:6.0f}", flush=True)
     print(f"tokens: real {r['real']}, trie nodes {r['nodes']} "
           f"({r['real'] / r['nodes']:.2f}x fewer shared); "
           f"non-embedding params {r['params'] / 1e6:.1f}M")
-    base = rows[args.threads[0], False, False, True, True, True, True]
-    for (threads, shared, fsdp, kernels, keep, matmul_attention, sink), step in rows.items():
+    base = rows[(args.threads[0], *levers[0])]
+    for (threads, shared, fsdp, kernels, keep, matmul_attention, sink, contiguous), step in (
+            rows.items()):
         print(f"speed-up vs {args.threads[0]} thread(s) padded: {threads} thread(s), shared "
               f"prefix {'on' if shared else 'off'}, {'FSDP2' if fsdp else 'bf16 copies'}, "
               f"{'C' if kernels else 'torch'} head and norms, freed memory "
               f"{'kept' if keep else 'as glibc does'}, trie attention "
               f"{'as matmuls' if matmul_attention and shared else 'by flash'}, tied "
-              f"embedding's gradient {'to its master' if sink and not fsdp else 'by autograd'}: "
+              f"embedding's gradient {'to its master' if sink and not fsdp else 'by autograd'}, "
+              f"weight gradients {'from contiguous operands' if contiguous else 'as autograd'}: "
               f"{base / step:.2f}x")
 
 

@@ -179,48 +179,6 @@ class BigSaver:
             f.truncate(4 << 20)  # exactly 4 MiB, whatever the header's size
 
 
-class SteppingActor:
-    """A trainer whose weights move each step; writes HF folders as the engine does."""
-
-    def __init__(self) -> None:
-        self.weight = torch.zeros(1 << 10)
-
-    def hf_state_dict(self, dtype=None) -> dict[str, torch.Tensor]:
-        return {"w": self.weight.to(dtype, copy=True)}
-
-    def save_hf(self, path: str, dtype=None) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(path)
-        save_file(self.hf_state_dict(dtype), os.path.join(path, "model.safetensors"))
-        Path(path, "config.json").write_text('{"model_type": "llama"}')
-        Path(path, "tokenizer.json").write_text('{"version": "1.0"}')
-
-
-def test_a_snapshot_writes_the_weights_it_took_while_the_trainer_steps_on(tmp_path):
-    from safetensors.torch import load_file
-
-    actor = SteppingActor()
-    publisher = WeightPublisher(tmp_path, RecordingEngine(), dtype="float32")
-    write = publisher.snapshot(actor, 1)  # the first version is saved whole at once
-    assert (tmp_path / "v1" / "config.json").exists() and write() == {}
-    actor.weight += 1
-    write = publisher.snapshot(actor, 2)
-    actor.weight += 1  # the next optimiser step, before the write runs
-    assert not (tmp_path / "v2").exists()
-    stats = write()
-    assert stats["perf/weights_write_s"] >= 0
-    assert sorted(p.name for p in (tmp_path / "v2").iterdir()) == sorted(
-        p.name for p in (tmp_path / "v1").iterdir())  # config and tokenizer as v1's
-    assert (tmp_path / "v2" / "tokenizer.json").read_text() == '{"version": "1.0"}'
-    assert bool((load_file(tmp_path / "v2" / "model.safetensors")["w"] == 1).all())
-    write = publisher.snapshot(actor, 3)
-    with file_size_limit(1 << 10), pytest.raises(PublishError) as err:
-        write()  # the weights do not fit: nothing half-written, v2 stays
-    assert "v3.tmp" in str(err.value) and "keep serving v2" in str(err.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v2"]
-
-
 def test_a_full_disk_fails_a_publish_before_any_server_is_told(tmp_path):
     engine = RecordingEngine()
     publisher = WeightPublisher(tmp_path, engine)

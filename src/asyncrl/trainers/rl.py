@@ -8,7 +8,6 @@ publishes the new weights to the servers (which switch mid-generation) and logs.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import logging
@@ -289,9 +288,9 @@ class RLTrainer:
 
     def _publish(self, version: int, overlap: bool | None = None) -> dict[str, float]:
         """Publish `version`: save it, have every server load it, announce it. With
-        `actor.weight_update_overlap` (disk mode, the trainer inline) the weights are
-        taken here and their write, the load and the announcement run on the rollout loop
-        while training goes on (`_settle_publish` waits for them); otherwise all here. If the load failed because servers died, restart
+        `actor.weight_update_overlap` (disk mode, the trainer inline) the load and the
+        announcement run on the rollout loop while training goes on (`_settle_publish`
+        waits for them); otherwise here. If the load failed because servers died, restart
         them and load once more (they come back at the previous version, then load this one)."""
         overlap = self._overlap if overlap is None else overlap
         self._version = version
@@ -306,20 +305,17 @@ class RLTrainer:
                 stats = self.publisher.publish(self.trainer, version=version)
             self._announce_version(version)
             return stats
-        t0 = time.monotonic()
-        write = self.publisher.snapshot(self.trainer, version)  # the weights, taken now
-        stats = {"perf/weights_save_s": time.monotonic() - t0}
+        stats = self.publisher.save(self.trainer, version)
 
-        async def write_load_and_announce() -> dict[str, float]:
-            done = await asyncio.to_thread(write)  # the disk write, off the trainer's path
+        async def load_and_announce() -> float:
             t0 = time.monotonic()
             await self.publisher.load(version)
             if self.agents is not None:
                 await self.agents.set_version(version)
             self.rollout.set_version(version)
-            return done | {"perf/weights_load_s": time.monotonic() - t0}
+            return time.monotonic() - t0
 
-        self._loading = (version, self.rollout.submit_coroutine(write_load_and_announce()))
+        self._loading = (version, self.rollout.submit_coroutine(load_and_announce()))
         return stats
 
     def _settle_publish(self) -> dict[str, float]:
@@ -332,7 +328,7 @@ class RLTrainer:
         (version, future), self._loading = self._loading, None
         t0 = time.monotonic()
         try:
-            return stats | future.result()
+            return stats | {"perf/weights_load_s": future.result()}
         except WeightUpdateError as e:
             if not self._restart_dead_servers(checks=1):
                 raise

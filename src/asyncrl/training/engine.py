@@ -49,6 +49,7 @@ from asyncrl.training.dist import init_process_group, local_device
 from asyncrl.training.linear import use_contiguous_weight_grads
 from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
+from asyncrl.training.mlp import use_fused_mlps
 from asyncrl.training.norm import use_fused_norms
 from asyncrl.training.optim import make_lr_scheduler, make_optimizer
 from asyncrl.training.precision import ComputeWeights
@@ -266,6 +267,7 @@ class FSDPTrainEngine:
         _check_no_dropout(hf_model.config)
         use_fused_norms(hf_model)  # bf16 on the CPU: training/norm.py
         use_contiguous_weight_grads(hf_model.get_decoder())  # bf16 on the CPU: linear.py
+        use_fused_mlps(hf_model)  # bf16 on the CPU: training/mlp.py
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:

@@ -9,13 +9,7 @@ a half-written version; a write that fails (a full or read-only disk) raises
 
 `publish` does both in turn. The two halves are also public: `save` (the trainer's part)
 and `load` (a coroutine on the client's loop), so that the trainer can go on training
-while the servers load (`actor.weight_update_overlap`, trainers/rl.py). There the write
-moves off the trainer's path too: `snapshot` takes the weights in the publish dtype (a
-copy: the next optimiser step may start at once) and returns the writer, which the load's
-coroutine runs in a thread before the load. On the quickstart the write was ~0.7 s of a
-2.8 s step, mostly the kernel throttling 270 MB of dirty pages per step; the copy takes
-~0.1 s. The config and tokenizer files do not change between versions: the first version
-is written whole by the trainer's `save_hf`, later ones reuse its small files.
+while the servers load (`actor.weight_update_overlap`, trainers/rl.py).
 """
 
 from __future__ import annotations
@@ -29,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from asyncrl.api import InferenceEngine, TrainEngine, faults
-from asyncrl.training.checkpoint import WEIGHTS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +44,6 @@ class WeightPublisher:
         self.dtype = dtype
         self.keep_last = keep_last
         self._run = run  # how to run the client's coroutines (e.g. on the rollout loop)
-        self._small_files: dict[str, bytes] | None = None  # a whole version's other files
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version}"
@@ -67,18 +58,12 @@ class WeightPublisher:
     def save(self, actor: TrainEngine, version: int) -> dict[str, float]:
         """Write weights `version` whole under `path(version)`; PublishError if that failed."""
         t0 = time.monotonic()
-        self._write(version, lambda tmp: actor.save_hf(str(tmp), dtype=getattr(torch, self.dtype)))
-        return {"perf/weights_save_s": time.monotonic() - t0}
-
-    def _write(self, version: int, fill: Callable[[Path], Any]) -> None:
-        """`fill` writes the folder `v<N>.tmp`, renamed `v<N>` when whole; PublishError if
-        that failed (the servers are not told, and keep the previous version)."""
         path = self.path(version)
         tmp = path.with_name(path.name + ".tmp")
         for leftover in (path, tmp):  # of a crashed run: written again
             shutil.rmtree(leftover, ignore_errors=True)
         try:
-            fill(tmp)
+            actor.save_hf(str(tmp), dtype=getattr(torch, self.dtype))
             faults.point("publish", version)
             tmp.rename(path)
         except Exception as e:
@@ -86,33 +71,7 @@ class WeightPublisher:
             raise PublishError(f"writing weights v{version} to {tmp} failed ({e}); the "
                                f"servers keep serving v{version - 1}. Free space or make "
                                f"the run folder writable") from e
-
-    def snapshot(self, actor: TrainEngine, version: int) -> Callable[[], dict[str, float]]:
-        """Take weights `version` from `actor` now; returns the writer that puts them under
-        `path(version)` (PublishError if that fails) and its timing, to run in another
-        thread while the trainer goes on. Without a version written whole before, or for a
-        trainer that cannot hand out its weights (`hf_state_dict`), this saves in full here
-        and the writer has nothing left to do."""
-        if self._small_files is None or not hasattr(actor, "hf_state_dict"):
-            self.save(actor, version)
-            self._small_files = {f.name: f.read_bytes() for f in self.path(version).iterdir()
-                                 if f.is_file() and f.name != WEIGHTS_FILE}
-            return dict
-        weights = actor.hf_state_dict(getattr(torch, self.dtype))
-        small = self._small_files
-
-        def fill(tmp: Path) -> None:
-            tmp.mkdir(parents=True)
-            for name, data in small.items():
-                (tmp / name).write_bytes(data)
-            save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-
-        def write() -> dict[str, float]:
-            start = time.monotonic()
-            self._write(version, fill)
-            return {"perf/weights_write_s": time.monotonic() - start}
-
-        return write
+        return {"perf/weights_save_s": time.monotonic() - t0}
 
     async def load(self, version: int) -> None:
         """Every server loads the saved `version` (WeightUpdateError names any that failed);

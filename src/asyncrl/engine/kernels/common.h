@@ -47,4 +47,46 @@ static inline void share(int n, int tid, int nt, int *lo, int *hi) {
     *hi = (int)((int64_t)n * (tid + 1) / nt);
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+/* The same on 16 lanes (AVX512-BF16 machines): bf16 -> fp32, a bf16 rounding, exp_neg and
+ * x * sigmoid(x) from exp(-|x|) (no overflow). */
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline __m512 round_bf16_x16(__m512 v) {
+    return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* exp_neg (above) on 16 lanes: the same steps, as intrinsics. */
+static inline __m512 exp_neg_x16(__m512 x) {
+    __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                             _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                         _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* sigmoid(x) on 16 lanes from e = exp(-|x|) (no overflow): 1 / (1 + e) for x >= 0, else
+ * e / (1 + e), as decode.c's silu_mul_bf16 computes it. */
+static inline __m512 sigmoid_x16(__m512 x) {
+    const __m512 e = exp_neg_x16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.0f));
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline __m512 silu_x16(__m512 x) { return _mm512_mul_ps(x, sigmoid_x16(x)); }
+#endif
+
 #endif

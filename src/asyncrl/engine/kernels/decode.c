@@ -26,10 +26,6 @@
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #ifdef __AVX512BF16__
-static inline __m512 bf16x16_to_f32(__m256i v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 /* out[g, :] = bf16(sum_l p[g * T + l] * v[l, :]) for G heads, with D % 32 == 0: each pair
  * of 16-wide chunks of the G outputs is held in registers over all keys. */
 #define PV(G)                                                                                 \
@@ -408,36 +404,6 @@ static void tile_##MR##_##NZ(const uint16_t *x, int64_t ldx, const uint16_t *p, 
         }                                                                                     \
     }                                                                                         \
     store_tile(&acc[0][0], MR, NZ, NZ, y, ldy, bias, epi);                                    \
-}
-
-static inline __m512 round_bf16_x16(__m512 v) {
-    return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
-}
-
-/* exp_neg (common.h) on 16 lanes: the same steps, as intrinsics. */
-static inline __m512 exp_neg_x16(__m512 x) {
-    __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                             _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
-                                                         _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-/* x * sigmoid(x) on 16 lanes, from exp(-|x|) (no overflow), as silu_mul_bf16 computes it. */
-static inline __m512 silu_x16(__m512 x) {
-    const __m512 e = exp_neg_x16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-    const __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.0f));
-    return _mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
 
 static inline void store_tile(const __m512 *acc, int mr, int nz, int stride, uint16_t *y,

@@ -13,6 +13,7 @@
  * Compiled at first use by kernels/__init__.py; torch's thread pool is shared (libgomp).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include <omp.h>
@@ -21,36 +22,51 @@
 void masked_softmax_fwd_bf16(const uint16_t *s, const uint8_t *mask, int R, int H, int L,
                              float scale, uint16_t *p, int nthreads) {
     const int rows = R * H * L;
+    /* Each mask row's end: one past its last allowed key. A trie row allows only a node's
+     * ancestors, which come before it, so on average about half the row is computed; the
+     * rest of p is 0 as before. */
+    int *ends = (int *)malloc(sizeof(int) * (size_t)R * L);
 #pragma omp parallel num_threads(nthreads)
     {
         int lo, hi;
+        share(R * L, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        for (int q = lo; q < hi; q++) {
+            const uint8_t *m = mask + (int64_t)q * L;
+            int end = L;
+            while (end > 0 && !m[end - 1]) end--;
+            ends[q] = end;
+        }
+#pragma omp barrier
         share(rows, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
         float buf[L];
         for (int row = lo; row < hi; row++) {
             const int r = row / (H * L), i = row % L;
             const uint8_t *m = mask + ((int64_t)r * L + i) * L;
+            const int end = ends[r * L + i];
             const uint16_t *sr = s + (int64_t)row * L;
             uint16_t *pr = p + (int64_t)row * L;
             float top = -INFINITY;
 #pragma omp simd reduction(max:top)
-            for (int j = 0; j < L; j++) {
+            for (int j = 0; j < end; j++) {
                 const float x = m[j] ? scale * bf16_to_f32(sr[j]) : -INFINITY;
                 buf[j] = x;
                 top = x > top ? x : top;
             }
             float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
-            for (int j = 0; j < L; j++) {
+            for (int j = 0; j < end; j++) {
                 const float e = m[j] ? exp_neg(buf[j] - top) : 0.0f;  /* -inf - top: clamped */
                 buf[j] = e;
                 sum += e;
             }
             const float inv = 1.0f / sum;
 #pragma omp simd
-            for (int j = 0; j < L; j++)
+            for (int j = 0; j < end; j++)
                 pr[j] = f32_to_bf16(buf[j] * inv);
+            memset(pr + end, 0, sizeof(uint16_t) * (size_t)(L - end));
         }
     }
+    free(ends);
 }
 
 /* ds may be dp (written in place). */
