@@ -266,8 +266,10 @@ class FSDPTrainEngine:
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
         use_fused_norms(hf_model)  # bf16 on the CPU: training/norm.py
-        use_contiguous_weight_grads(hf_model.get_decoder())  # bf16 on the CPU: linear.py
-        use_fused_mlps(hf_model)  # bf16 on the CPU: training/mlp.py
+        if self.device.type == "cpu" and self.spec.dtype == "bfloat16":
+            # Only where they apply: elsewhere the modules stay HF's own, untouched.
+            use_contiguous_weight_grads(hf_model.get_decoder())  # training/linear.py
+            use_fused_mlps(hf_model)  # training/mlp.py
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:
