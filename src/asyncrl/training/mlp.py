@@ -64,7 +64,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     return _SwiGLU.apply(gate, up)
 
 
-def _fused_forward(module: nn.Module, hf_forward, x: torch.Tensor) -> torch.Tensor:
+def _fused_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = module.gate_proj(x), module.up_proj(x)
     hidden = swiglu(gate, up)
     if hidden is None:
@@ -81,7 +81,7 @@ def use_fused_mlps(hf_model: nn.Module) -> int:
                 or type(getattr(module, "act_fn", None)).__name__ not in SILU_CLASSES):
             continue
         if not getattr(module, "_asyncrl_fused", False):
-            module.forward = functools.partial(_fused_forward, module, module.forward)
+            module.forward = functools.partial(_fused_forward, module)
             module._asyncrl_fused = True
         count += 1
     return count

@@ -47,6 +47,16 @@ static inline void share(int n, int tid, int nt, int *lo, int *hi) {
     *hi = (int)((int64_t)n * (tid + 1) / nt);
 }
 
+/* The share [*a, *b) of n elements of thread tid out of nt, in whole blocks of 16k elements
+ * (for flat elementwise passes: no two threads write the same cache line). */
+static inline void share_elems(int64_t n, int tid, int nt, int64_t *a, int64_t *b) {
+    const int64_t block = 1 << 14;
+    int lo, hi;
+    share((int)((n + block - 1) / block), tid, nt, &lo, &hi);
+    *a = (int64_t)lo * block;
+    *b = (int64_t)hi * block < n ? (int64_t)hi * block : n;
+}
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 /* The same on 16 lanes (AVX512-BF16 machines): bf16 -> fp32, a bf16 rounding, exp_neg and

@@ -36,13 +36,10 @@ void transpose_bf16(const uint16_t *in, int R, int C, int64_t ld, uint16_t *out,
 }
 
 void add_bf16_to_f32(float *total, const uint16_t *part, int64_t n, int nthreads) {
-    const int64_t chunk = 1 << 14;
-    const int chunks = (int)((n + chunk - 1) / chunk);
 #pragma omp parallel num_threads(nthreads)
     {
-        int lo, hi;
-        share(chunks, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        const int64_t a = (int64_t)lo * chunk, b = (int64_t)hi * chunk < n ? (int64_t)hi * chunk : n;
+        int64_t a, b;
+        share_elems(n, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
 #pragma omp simd
         for (int64_t i = a; i < b; i++)
             total[i] += bf16_to_f32(part[i]);

@@ -26,13 +26,10 @@ static inline float rounded(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 void swiglu_fwd_bf16(const uint16_t *g, const uint16_t *u, uint16_t *h, int64_t n,
                      int nthreads) {
-    const int64_t chunk = 1 << 14;
-    const int chunks = (int)((n + chunk - 1) / chunk);
 #pragma omp parallel num_threads(nthreads)
     {
-        int lo, hi;
-        share(chunks, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        const int64_t a = (int64_t)lo * chunk, b = (int64_t)hi * chunk < n ? (int64_t)hi * chunk : n;
+        int64_t a, b;
+        share_elems(n, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
         int64_t i = a;
 #ifdef __AVX512BF16__
         for (; i + 16 <= b; i += 16) {
@@ -51,13 +48,10 @@ void swiglu_fwd_bf16(const uint16_t *g, const uint16_t *u, uint16_t *h, int64_t 
 
 void swiglu_bwd_bf16(const uint16_t *g, const uint16_t *u, const uint16_t *dh,
                      uint16_t *dg, uint16_t *du, int64_t n, int nthreads) {
-    const int64_t chunk = 1 << 14;
-    const int chunks = (int)((n + chunk - 1) / chunk);
 #pragma omp parallel num_threads(nthreads)
     {
-        int lo, hi;
-        share(chunks, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        const int64_t a = (int64_t)lo * chunk, b = (int64_t)hi * chunk < n ? (int64_t)hi * chunk : n;
+        int64_t a, b;
+        share_elems(n, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
         int64_t i = a;
 #ifdef __AVX512BF16__
         const __m512 one = _mm512_set1_ps(1.0f);
