@@ -6,6 +6,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from asyncrl.engine.model import (
     read_checkpoint,
     rope_inv_freq,
 )
+from asyncrl.models import safetensors_file
 from asyncrl.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
@@ -388,6 +390,28 @@ def test_update_without_kv_recompute_keeps_stale_cache(tiny, tiny_v1):
     new_policy = hf_logprobs(tiny_v1, PROMPT, resp.output_ids, 0.8)[5:]
     # Keys and values of the first 10 tokens still come from version 0.
     assert (torch.tensor(resp.output_logprobs[5:]) - new_policy).abs().max() > 1e-2
+
+
+def test_an_update_copies_the_files_weights_so_a_later_write_in_place_changes_nothing(
+        tiny, tiny_v1, tmp_path):
+    # The update reads the file through a mapping; the publisher later writes the next
+    # version into the same file. What the engine serves must be its own copy.
+    folder = tmp_path / "v1"
+    shutil.copytree(tiny_v1, folder)
+    file = folder / "model.safetensors"
+    # in our writer's layout (load_file's tensors may map the file: copies)
+    safetensors_file.write(file, {k: v.clone() for k, v in load_file(file).items()})
+    engine = new_engine(tiny)
+    engine.update_weights(str(folder), version=1)
+    served = engine.weights_digest()
+    assert served == new_engine(tiny_v1).weights_digest() | {"version": 1}
+    assert safetensors_file.write(file, load_file(Path(tiny) / "model.safetensors")) is True
+    assert engine.weights_digest() == served
+    out: dict = {}
+    req = greedy(PROMPT, 12)
+    submit(engine, req, out)
+    drain(engine, out, 1)
+    assert out[req.rid].output_ids == alone(tiny_v1, greedy(PROMPT, 12)).output_ids
 
 
 def test_failed_updates_keep_old_weights_and_version(tiny, tmp_path):

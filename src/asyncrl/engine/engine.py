@@ -40,7 +40,7 @@ import torch
 from asyncrl.api.cores import CoreShare
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.engine.model import DTYPES, Transformer, Weights, hf_shapes, read_checkpoint
+from asyncrl.engine.model import DTYPES, Transformer, Weights, hf_shapes, mapped_checkpoint
 from asyncrl.engine.sampling import SamplingBatch, StopChecker, sample
 
 logger = logging.getLogger(__name__)
@@ -228,8 +228,8 @@ class LocalEngine:
         only the swap waits for the step boundary. Raises (CheckpointError, OSError) without
         touching the weights or the version if the folder does not fit.
         """
-        tensors = read_checkpoint(path, hf_shapes(self.model.cfg))
-        self.load_weights(tensors.items(), version)
+        with mapped_checkpoint(path, hf_shapes(self.model.cfg)) as tensors:
+            self.load_weights(tensors.items(), version)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Weights from (HF name, tensor) pairs as they come (a file's, or a broadcast's

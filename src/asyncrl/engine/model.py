@@ -15,18 +15,21 @@ decode attends over plain slices of the cache instead of gathering rows every st
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from asyncrl.engine.cpu import DecodeKernels, PackedMatrix, can_pack, huge_empty, huge_zeros
+from asyncrl.models import safetensors_file
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -467,22 +470,55 @@ def _pack_rows(w: torch.Tensor, dst: torch.Tensor) -> None:
 
 def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Read every *.safetensors in `path` and check names and shapes against `shapes`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    tensors: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        tensors.update(read_checkpoint_file(f))
+    check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes, f"checkpoint {path!r}")
+    return tensors
 
+
+@contextlib.contextmanager
+def mapped_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]
+                      ) -> Iterator[dict[str, torch.Tensor]]:
+    """`read_checkpoint` without copying: the tensors are views of the files' mappings,
+    valid inside the block only (a weight load copies each into its own buffers). Files
+    with dtypes the mapping does not name are read by safetensors itself."""
+    with contextlib.ExitStack() as stack:
+        tensors: dict[str, torch.Tensor] = {}
+        for f in checkpoint_files(path):
+            try:
+                tensors.update(stack.enter_context(safetensors_file.mapped(f)))
+            except safetensors_file.SafetensorsFormatError:
+                tensors.update(read_checkpoint_file(f))  # its own error if it is not whole
+            except OSError as e:
+                raise CheckpointError(f"cannot read {f!r}: {e}") from e
+        check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes,
+                      f"checkpoint {path!r}")
+        try:
+            yield tensors
+        finally:
+            tensors.clear()
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The *.safetensors files of folder `path`; CheckpointError if there are none."""
     if not os.path.isdir(path):
         raise CheckpointError(f"weights path {path!r} is not a folder")
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path!r}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(f))
-        except (OSError, SafetensorError) as e:  # e.g. a file still being written
-            raise CheckpointError(f"cannot read {f!r}: {e}") from e
-    check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes, f"checkpoint {path!r}")
-    return tensors
+    return files
+
+
+def read_checkpoint_file(file: str) -> dict[str, torch.Tensor]:
+    """One *.safetensors file's tensors (copies); CheckpointError if it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(file)
+    except (OSError, SafetensorError) as e:  # e.g. a file still being written
+        raise CheckpointError(f"cannot read {file!r}: {e}") from e
 
 
 def check_tensors(found: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],

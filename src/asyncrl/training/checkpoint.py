@@ -15,13 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
+
+from asyncrl.models import safetensors_file
 
 WEIGHTS_FILE = "model.safetensors"  # the name transformers and vLLM look for
 
@@ -62,10 +63,11 @@ def full_state_dict(model: torch.nn.Module, *, prefix: str, drop: set[str],
 
 def write_hf_folder(path: str | os.PathLike, weights: dict[str, torch.Tensor], config: Any,
                     tokenizer: Any, generation_config: Any | None = None) -> None:
-    """Write safetensors weights, config (its dtype set to the weights') and tokenizer."""
+    """Write safetensors weights, config (its dtype set to the weights') and tokenizer.
+    A weights file of the same layout already there is overwritten in place."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    safetensors_file.write(out / WEIGHTS_FILE, weights, metadata={"format": "pt"})
     config = copy.deepcopy(config)
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     if len(dtypes) == 1:
