@@ -126,3 +126,20 @@ def test_the_trie_attention_runs_the_matmul_path_within_the_byte_budget_and_flas
     torch.testing.assert_close(trie(), matmul, atol=0, rtol=0)
     monkeypatch.setattr(attention, "MATMUL_ATTENTION_BYTES", 0)
     torch.testing.assert_close(trie(), flash, atol=0, rtol=0)
+
+
+def test_the_gather_from_rows_equals_indexing_forward_and_backward():
+    """`_FromRows` (index_copy backward) against autograd's x[slots], bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    rows, heads, width, dim = 3, 4, 10, 8
+    slots = torch.randperm(rows * width, generator=g)[:22]  # distinct, unordered, with gaps
+    x = torch.randn(rows, heads, width, dim, generator=g, dtype=torch.bfloat16)
+    grad = torch.randn(22, heads, dim, generator=g, dtype=torch.bfloat16)
+    ours, theirs = (x.clone().requires_grad_() for _ in range(2))
+    out = attention._FromRows.apply(ours, slots)
+    ref = theirs.transpose(1, 2).flatten(0, 1)[slots]
+    assert torch.equal(out, ref)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(ours.grad, theirs.grad)
+    assert int((ours.grad != 0).any(-1).any(1).sum()) == 22  # the other slots get zeros

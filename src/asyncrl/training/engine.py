@@ -50,6 +50,7 @@ from asyncrl.training.linear import use_contiguous_weight_grads
 from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.mlp import use_fused_mlps
+from asyncrl.training.rope import use_fused_rope
 from asyncrl.training.norm import use_fused_norms
 from asyncrl.training.optim import make_lr_scheduler, make_optimizer
 from asyncrl.training.precision import ComputeWeights
@@ -270,6 +271,7 @@ class FSDPTrainEngine:
             # Only where they apply: elsewhere the modules stay HF's own, untouched.
             use_contiguous_weight_grads(hf_model.get_decoder())  # training/linear.py
             use_fused_mlps(hf_model)  # training/mlp.py
+            use_fused_rope(hf_model)  # training/rope.py (bit for bit HF's, module-wide)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:
