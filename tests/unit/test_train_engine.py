@@ -425,3 +425,39 @@ def test_a_rank_shown_one_gpu_uses_it_and_one_shown_all_takes_its_local_rank():
     assert [gpu_index(r, 8) for r in range(8)] == list(range(8))  # torchrun, all GPUs shown
     with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but only 2 GPU"):
         gpu_index(3, 2)
+
+
+def test_adamw_state_taken_at_start_trains_exactly_as_taken_at_the_first_step(
+        tiny_path, monkeypatch):
+    # optim.init_state allocates what AdamW's first step would; nothing else may change.
+    results = []
+    for eager in (True, False):
+        if not eager:
+            monkeypatch.setattr(engine_module, "init_state", lambda optimizer: None)
+        engine = make_engine(tiny_path)
+        params = dict(engine.model.named_parameters())
+        assert len(engine.optimizer.state) == (len(params) if eager else 0)
+        for seed in (0, 1):
+            engine.train_batch(make_batch(seed=seed), nll_loss)
+        state = {n: dict(engine.optimizer.state[p]) for n, p in params.items()}
+        results.append((engine.hf_state_dict(), state))
+        engine.destroy()
+    (weights, state), (lazy_weights, lazy_state) = results
+    for name, value in weights.items():
+        assert torch.equal(value, lazy_weights[name]), name
+    for name, entries in state.items():
+        assert entries.keys() == lazy_state[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in entries.items():
+            other = lazy_state[name][key]
+            assert (value.dtype, value.shape, value.device) == (other.dtype, other.shape,
+                                                               other.device), (name, key)
+            assert torch.equal(value, other), (name, key)
+
+
+def test_the_masters_are_not_views_of_the_checkpoint_file(tiny_path):
+    # transformers maps an fp32 checkpoint read as fp32; our copy drops the mapping.
+    file = os.path.realpath(os.path.join(tiny_path, "model.safetensors"))
+    engine = make_engine(tiny_path)
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if line.rstrip().endswith(file)]
+    engine.destroy()

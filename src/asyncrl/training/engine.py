@@ -50,11 +50,11 @@ from asyncrl.training.linear import use_contiguous_weight_grads
 from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.mlp import use_fused_mlps
-from asyncrl.training.rope import use_fused_rope
 from asyncrl.training.norm import use_fused_norms
-from asyncrl.training.optim import make_lr_scheduler, make_optimizer
+from asyncrl.training.optim import init_state, make_lr_scheduler, make_optimizer
 from asyncrl.training.precision import ComputeWeights
 from asyncrl.training.prefix import PrefixPack, pack_prefixes
+from asyncrl.training.rope import use_fused_rope
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
 # FSDP2 also on one rank (tests compare the two paths; on one rank it only adds copies).
@@ -158,6 +158,18 @@ def _follow_core_share(layers: nn.ModuleList) -> None:
     for layer in layers:
         layer.register_forward_pre_hook(before_forward)
         layer.register_forward_hook(after_forward)
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Give the parameters memory of their own. transformers keeps the tensors of a
+    checkpoint whose dtype matches (an fp32 file read as fp32 masters) as views of the
+    file's private mapping: the first optimiser step then copied every page on write
+    (131k page faults, 1.3 s for SmolLM2-135M's masters here), and until then a change
+    to the file on disk would have changed the weights. Copied at load, before the
+    servers have answered, instead."""
+    with torch.no_grad():
+        for param in model.parameters():  # a tied parameter is listed once
+            param.data = param.data.clone()
 
 
 def _check_no_dropout(config: Any) -> None:
@@ -285,6 +297,8 @@ class FSDPTrainEngine:
         if cores.current() is not None:
             _follow_core_share(self.model.hf.get_decoder().layers)
         self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer)
+        if self.device.type == "cpu":
+            init_state(self.optimizer)  # training/optim.py: not in the first steps
         if self._compute_weights is not None:
             self._compute_weights.watch(self.optimizer)
         self.lr_scheduler = make_lr_scheduler(self.optimizer, self.spec.optimizer, self.total_steps)
@@ -304,6 +318,8 @@ class FSDPTrainEngine:
     def _shard(self, model: nn.Module) -> None:
         if self.world_size == 1 and not FSDP_ON_ONE_RANK:
             model.to(self.device)
+            if self.device.type == "cpu":
+                _own_memory(model)
             if self.spec.dtype == "bfloat16":
                 self._compute_weights = ComputeWeights(model, torch.bfloat16)
             return

@@ -19,6 +19,24 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -
                              weight_decay=cfg.weight_decay, fused=True)
 
 
+def init_state(optimizer: torch.optim.AdamW) -> None:
+    """Allocate AdamW's state (step 0, zero moments) now, as its first step would, for every
+    parameter that takes a gradient; the first step then finds it and leaves it as is."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state or not p.requires_grad:
+                continue
+            if group["capturable"] or group["fused"]:  # as torch.optim.AdamW does
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            else:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int,
               min_lr_ratio: float) -> float:
     """The multiplier of the base lr used by optimiser step `step` (0-based)."""
