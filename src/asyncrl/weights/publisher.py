@@ -10,7 +10,10 @@ a half-written version; a write that fails (a full or read-only disk) raises
 The folder of a version no server reads any more is kept as `spare/` and becomes the next
 version's: its weights file is overwritten in place (models/safetensors_file.py), so each
 step writes into pages the machine already holds instead of taking 270 MB (SmolLM2-135M,
-bf16) of fresh ones.
+bf16) of fresh ones. So a `v<N>` folder is the servers' hand-off, not a checkpoint: a
+process outside the run that mapped its file (safetensors does) and still reads it
+`keep_last` versions later sees the newer weights; copy a version out, or use the saver's
+checkpoints, to keep one.
 
 `publish` does both in turn. The two halves are also public: `save` (the trainer's part)
 and `load` (a coroutine on the client's loop), so that the trainer can go on training
