@@ -133,8 +133,7 @@ def _view(path: str | os.PathLike, mm: mmap.mmap | None, start: int, size: int, 
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if end - begin != numel * itemsize or begin < 0 or start + end > size:
+    if end - begin != numel * dtype.itemsize or begin < 0 or start + end > size:
         raise SafetensorsFormatError(
             f"{path}: tensor {name!r} ({entry['dtype']} {shape}) has data offsets "
             f"[{begin}, {end}) that do not fit it or the file ({size} bytes)")
