@@ -167,3 +167,28 @@ def test_local_engine_is_busy_and_borrows_only_while_it_has_sequences(tmp_path):
     engine.close()
     trainer.close()
     mine.close()
+
+
+def test_compute_copies_cast_gives_a_waking_server_its_core_at_the_next_tensor(
+        monkeypatch, share):
+    # The first cast of a step runs as the server wakes up (it starts generating for the
+    # version just published); two threads per cast on two cores beside the server's made
+    # the cast ~1 s instead of ~80 ms in the quickstart.
+    from asyncrl.training import precision
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))  # 6 tensors
+    copies = precision.ComputeWeights(model, torch.bfloat16)
+    seen = []  # threads in force as each tensor is cast
+    adjust = cores.adjust
+
+    def adjust_and_wake_the_server_after_two():
+        adjust()
+        seen.append(torch.get_num_threads())
+        if len(seen) == 2:
+            share.set_busy(True)
+
+    monkeypatch.setattr(cores, "adjust", adjust_and_wake_the_server_after_two)
+    share.set_busy(False)
+    with cores.busy(), copies.active():
+        assert seen == [2, 2, 1, 1, 1, 1]
+        assert model[2].bias.dtype == torch.bfloat16

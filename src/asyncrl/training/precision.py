@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from asyncrl.api import cores
 from asyncrl.training.grad_ops import add_widened
 
 # Gradients of the tied embedding straight into the fp32 master (off: through autograd, the
@@ -143,6 +144,10 @@ class ComputeWeights:
                 # step's recompute and training forwards then share one cast.
                 seen = (master._version, master.data_ptr())
                 if self._stale or self._seen.get(key) != seen:
+                    # A server that starts generating mid-cast gets its core back at the
+                    # next tensor (api/cores.py): the cast is ~80 ms at one thread, but
+                    # its threads outnumbering the cores made it ~1 s in the quickstart.
+                    cores.adjust()
                     copy.copy_(master)
                     self._seen[key] = seen
                 copy.grad = None  # left over only by a backward that failed midway
