@@ -1,11 +1,15 @@
 """Synchronous (eta=0) against asynchronous (eta=4) RL on the same workload, in one run.
 
-    python benchmarks/async_vs_sync.py                      # the quickstart task, 12 steps each
-    python benchmarks/async_vs_sync.py total_train_steps=20 gconfig.n_samples=8
+    python benchmarks/async_vs_sync.py                      # the quickstart task, 20 steps each
+    python benchmarks/async_vs_sync.py total_train_steps=30 gconfig.n_samples=8
+    python benchmarks/async_vs_sync.py --skip 8 scheduler.share_cores=false
 
-Prints, for each: effective throughput (trained tokens per second of wall time, waiting
-for rollouts included), mean step time, the mean training reward of the last steps, and
-the ratio async/sync. Any quickstart key can be overridden as key=value.
+Prints, for each: effective throughput (trained tokens per second of the training loop,
+waiting for rollouts included) over the whole loop and over the steps after the first
+--skip (the steady state of a long run: the asynchronous run fills its eta+1 batches in
+flight first), mean step time, the mean training reward of the last steps, the held-out
+greedy reward after training (one evaluator, same items: the final reward to compare), and
+the ratios async/sync. Any quickstart key can be overridden as key=value.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ from asyncrl.observe import read_stats
 from asyncrl.trainers.rl import train
 
 
-def run_one(eta: int, fileroot: str, overrides: list[str]) -> dict[str, float]:
+def run_one(eta: int, fileroot: str, overrides: list[str], skip: int) -> dict[str, float]:
     recipe = resources.files("asyncrl.recipes") / "quickstart.yaml"
     with resources.as_file(recipe) as path:
         cfg = load_config(path, [
-            "total_train_steps=12", "evaluator.before_training=false",
-            "evaluator.after_training=false", "stats_logger.plot=false",
+            "total_train_steps=20", "evaluator.before_training=false",
+            "evaluator.after_training=true", "stats_logger.plot=false",
             *overrides,
             f"rollout.max_head_offpolicyness={eta}", f"cluster.fileroot={fileroot}",
             f"trial_name=eta{eta}",
@@ -34,8 +38,14 @@ def run_one(eta: int, fileroot: str, overrides: list[str]) -> dict[str, float]:
     t0 = time.monotonic()
     summary = train(cfg)
     wall = time.monotonic() - t0
-    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
+    stats = read_stats(Path(summary["run_dir"]) / "stats.jsonl")
+    rows = [r for r in stats if r["kind"] == "train"]
+    evals = [r["eval/reward"] for r in stats if r["kind"] == "eval"]
+    if len(rows) <= skip:
+        raise SystemExit(f"--skip {skip} leaves no step of {len(rows)}: run more steps "
+                         "(total_train_steps=...) or skip fewer")
     step_time = sum(r["perf/step_s"] for r in rows)
+    steady = rows[skip:]
     tail = rows[-max(1, len(rows) // 3):]
     return {
         "eta": eta,
@@ -44,9 +54,12 @@ def run_one(eta: int, fileroot: str, overrides: list[str]) -> dict[str, float]:
         "train_loop_s": step_time,
         "wall_s": wall,
         "tokens_per_s": sum(r["perf/trained_tokens"] for r in rows) / step_time,
+        "steady_tokens_per_s": (sum(r["perf/trained_tokens"] for r in steady)
+                                / sum(r["perf/step_s"] for r in steady)),
         "step_s": step_time / len(rows),
         "wait_s": sum(r["perf/wait_batch_s"] for r in rows) / len(rows),
         "final_reward": sum(r["rollout/reward"] for r in tail) / len(tail),
+        "held_out": evals[-1] if evals else float("nan"),
         "max_staleness": max(r["rollout/staleness_max"] for r in rows),
     }
 
@@ -54,17 +67,24 @@ def run_one(eta: int, fileroot: str, overrides: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip", type=int, default=5,
+                        help="steps left out of the steady-state figure (default 5: eta+1)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as root:
-        results = [run_one(eta, root, args.overrides) for eta in (0, 4)]
-    print("\n eta | steps | trained tok | loop s | tok/s  | step s | wait s | final reward | max stale")
+        results = [run_one(eta, root, args.overrides, args.skip) for eta in (0, 4)]
+    print(f"\n eta | steps | trained tok | loop s | tok/s  | tok/s after {args.skip:2d} | step s "
+          "| wait s | train reward (last third) | held-out after | max stale")
     for r in results:
         print(f" {r['eta']:3d} | {r['steps']:5d} | {r['trained_tokens']:11.0f} | {r['train_loop_s']:6.1f} "
-              f"| {r['tokens_per_s']:6.1f} | {r['step_s']:6.2f} | {r['wait_s']:6.2f} "
-              f"| {r['final_reward']:12.3f} | {r['max_staleness']:9.0f}")
+              f"| {r['tokens_per_s']:6.1f} | {r['steady_tokens_per_s']:14.1f} | {r['step_s']:6.2f} "
+              f"| {r['wait_s']:6.2f} | {r['final_reward']:25.3f} | {r['held_out']:14.3f} "
+              f"| {r['max_staleness']:9.0f}")
     sync, asyn = results
-    print(f"\nthroughput ratio async/sync: {asyn['tokens_per_s'] / sync['tokens_per_s']:.2f}x")
+    print(f"\nthroughput ratio async/sync: {asyn['tokens_per_s'] / sync['tokens_per_s']:.2f}x "
+          f"whole loop, {asyn['steady_tokens_per_s'] / sync['steady_tokens_per_s']:.2f}x after "
+          f"step {args.skip}; held-out after training {sync['held_out']:.3f} (sync) / "
+          f"{asyn['held_out']:.3f} (async)")
 
 
 if __name__ == "__main__":
