@@ -192,3 +192,50 @@ def test_compute_copies_cast_gives_a_waking_server_its_core_at_the_next_tensor(
     with cores.busy(), copies.active():
         assert seen == [2, 2, 1, 1, 1, 1]
         assert model[2].bias.dtype == torch.bfloat16
+
+
+def test_local_engine_is_busy_while_it_copies_new_weights(tmp_path):
+    # The copy runs in the caller's thread (one core) while the loop may idle: a trainer
+    # that had borrowed the server's core gives it back for the copy, and gets it again
+    # once the swap is done, or at once when the load fails.
+    from safetensors.torch import load_file
+
+    from asyncrl.engine.model import CheckpointError
+
+    path = CoreShare.create(str(tmp_path / "share"))
+    mine = CoreShare(path, 0, 1)
+    trainer = CoreShare(path, TRAINER_SLOT, 1)
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    engine = LocalEngine.spawn(folder, share=mine, threads=1)
+    weights = load_file(f"{folder}/model.safetensors")
+    seen = []
+
+    def named(fail_after=None):
+        for i, (name, tensor) in enumerate(weights.items()):
+            seen.append(mine.homes_and_busy()[1][0])
+            if i == fail_after:
+                raise OSError("the file went away")
+            yield name, tensor
+
+    def idle_within(seconds):
+        deadline = time.monotonic() + seconds
+        while mine.homes_and_busy()[1][0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not mine.homes_and_busy()[1][0]
+
+    trainer.set_busy(True)
+    assert idle_within(5) and trainer.threads() == 2  # the server idles: both cores
+    engine.load_weights(named(), version=1)
+    assert seen and all(seen) and engine.version == 1
+    assert idle_within(5) and trainer.threads() == 2
+    seen.clear()
+    with pytest.raises(OSError, match="went away"):
+        engine.load_weights(named(fail_after=2), version=2)
+    assert seen == [True] * 3 and engine.version == 1
+    assert idle_within(5) and trainer.threads() == 2
+    with pytest.raises(CheckpointError):
+        engine.load_weights(iter([]), version=3)  # nothing came: missing tensors
+    assert idle_within(5)
+    engine.close()
+    trainer.close()
+    mine.close()

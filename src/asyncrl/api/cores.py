@@ -6,10 +6,12 @@ bound holds it back, the trainer while it waits for a batch. Here every party ow
 cores and says whether it is busy; a busy party also uses the home cores of the idle ones,
 shared among the busy parties. Each party changes its torch thread count (OpenMP team
 size; the engine's C kernels read the same count) at its own fine-grained boundaries:
-the engine at every step, the trainer at every decoder layer, forward and backward. So a
-party that wakes up gets its cores back within one layer or one decode step of the
-other's, and the threads at work never outnumber the cores (OpenMP teams that do wait
-on each other at every barrier).
+the engine at every step, the trainer at every decoder layer, forward and backward, and
+at every tensor of its compute copies' cast. So a party that wakes up gets its cores back
+within one layer, tensor or decode step of the other's, and the threads at work never
+outnumber the cores (OpenMP teams that do wait on each other at every barrier: a cast of
+~80 ms took ~1 s when it ran on two threads beside a busy server). A server copying new
+weights counts as busy, as the copy takes a core.
 
 The state is a small shared-memory file: per slot its home cores and a busy flag, one
 byte each, written by the slot's owner only, so no lock is needed. Processes are pointed

@@ -240,12 +240,23 @@ class LocalEngine:
         mis-shaped (CheckpointError), the served weights and version stay as they were.
         """
         with self._update_lock:
-            with _single_threaded():  # the engine thread keeps the only OpenMP team
-                weights = self.model.new_weights(reuse=self._spare)
-                self._spare = weights  # still spare until it is swapped in
-                for name, tensor in named_tensors:
-                    weights.load(name, tensor)
-                weights.finish()
+            if self._share is not None:
+                # The copy takes a core: a trainer borrowing this server's gives it back
+                # (api/cores.py). The loop clears the flag when it next idles: after the
+                # swap, or at once if the load fails (woken below).
+                with self._cond:
+                    self._share.set_busy(True)
+            try:
+                with _single_threaded():  # the engine thread keeps the only OpenMP team
+                    weights = self.model.new_weights(reuse=self._spare)
+                    self._spare = weights  # still spare until it is swapped in
+                    for name, tensor in named_tensors:
+                        weights.load(name, tensor)
+                    weights.finish()
+            except BaseException:
+                with self._cond:
+                    self._cond.notify_all()
+                raise
             self._spare = None
             done: concurrent.futures.Future = concurrent.futures.Future()
             with self._cond:
