@@ -76,8 +76,9 @@ def main() -> None:
     print(f"\n eta | steps | trained tok | loop s | tok/s  | tok/s after {args.skip:2d} | step s "
           "| wait s | train reward (last third) | held-out after | max stale")
     for r in results:
-        print(f" {r['eta']:3d} | {r['steps']:5d} | {r['trained_tokens']:11.0f} | {r['train_loop_s']:6.1f} "
-              f"| {r['tokens_per_s']:6.1f} | {r['steady_tokens_per_s']:14.1f} | {r['step_s']:6.2f} "
+        print(f" {r['eta']:3d} | {r['steps']:5d} | {r['trained_tokens']:11.0f} "
+              f"| {r['train_loop_s']:6.1f} | {r['tokens_per_s']:6.1f} "
+              f"| {r['steady_tokens_per_s']:14.1f} | {r['step_s']:6.2f} "
               f"| {r['wait_s']:6.2f} | {r['final_reward']:25.3f} | {r['held_out']:14.3f} "
               f"| {r['max_staleness']:9.0f}")
     sync, asyn = results

@@ -13,10 +13,11 @@ bf16 copies of its weights, `training/precision.py`, the default; and the traine
 kernels off or on: the log-prob head's, RMSNorm's, the MLP's SwiGLU product's, the rotary
 embedding's and the gradient passes', `training/logprob_head.py`, `training/norm.py`,
 `training/mlp.py`, `training/rope.py` and `training/grad_ops.py`; and freed memory kept
-for the next step or handed back as glibc does, `training/heap.py`; and the trie attention as bf16 matmuls around a C softmax or as
-SDPA's flash kernel, `training/attention.py`; and the tied embedding's gradient added into
-its fp32 master by the head and the lookup or through autograd, `training/precision.py`; and
-the linear layers' weight gradients from contiguous operands or autograd's,
+for the next step or handed back as glibc does, `training/heap.py`; and the trie attention
+as bf16 matmuls around a C softmax or as SDPA's flash kernel, `training/attention.py`; and
+the tied embedding's gradient added into its fp32 master by the head and the lookup or
+through autograd, `training/precision.py`; and the linear layers' weight gradients from
+contiguous operands or autograd's,
 `training/linear.py`) it prints the median seconds of each phase, the trained tokens per
 second (every token of every trajectory, prompt included, per whole step), the model FLOP
 utilisation, and the page faults per step (thousands, "kfault"):
