@@ -11,8 +11,9 @@ and the fused AdamW step. For each configuration (threads x shared prefix off/on
 shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or plain with
 bf16 copies of its weights, `training/precision.py`, the default; and the trainer's C
 kernels off or on: the log-prob head's, RMSNorm's, the MLP's SwiGLU product's, the rotary
-embedding's and the gradient passes', `training/logprob_head.py`, `training/norm.py`,
-`training/mlp.py`, `training/rope.py` and `training/grad_ops.py`; and freed memory kept
+embedding's, the trie attention's moves between nodes and rows and the gradient passes',
+`training/logprob_head.py`, `training/norm.py`, `training/mlp.py`, `training/rope.py`,
+`training/attention.py` and `training/grad_ops.py`; and freed memory kept
 for the next step or handed back as glibc does, `training/heap.py`; and the trie attention
 as bf16 matmuls around a C softmax or as SDPA's flash kernel, `training/attention.py`; and
 the tied embedding's gradient added into its fp32 master by the head and the lookup or
@@ -137,7 +138,7 @@ def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, ke
     torch.set_num_threads(threads)
     engine_module.FSDP_ON_ONE_RANK = fsdp
     logprob_head.USE_KERNELS = norm.USE_KERNELS = mlp.USE_KERNELS = kernels
-    grad_ops.USE_KERNELS = rope.USE_KERNELS = kernels
+    grad_ops.USE_KERNELS = rope.USE_KERNELS = attention.MOVES_IN_C = kernels
     heap.KEEP_FREED_MEMORY = keep
     attention.USE_KERNELS = matmul_attention
     precision.GRADS_TO_MASTER = sink

@@ -245,9 +245,12 @@ def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypat
     # (training/precision.py). Same casts, bf16 gradients summed in fp32 over micro-batches,
     # the tied embedding's two uses meeting in one copy: FSDP2's numbers exactly, over two
     # steps of four micro-batches each, an eval forward between them. (The tied embedding's
-    # gradient sink is off here: it sums those two uses in fp32, the next test.)
+    # gradient sink is off here: it sums those two uses in fp32, the next test; so is the
+    # clipping by the fused AdamW's scale, which FSDP's DTensors do not take: it divides
+    # where clip_grads_with_norm_ multiplies, test_clipping_by_the_fused_optimizers_scale...)
     monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 3 * 320)
     monkeypatch.setattr(precision, "GRADS_TO_MASTER", False)
+    monkeypatch.setattr(engine_module, "CLIP_IN_OPTIMIZER", False)
     results = []
     for fsdp in (True, False):
         monkeypatch.setattr(engine_module, "FSDP_ON_ONE_RANK", fsdp)
@@ -461,3 +464,27 @@ def test_the_masters_are_not_views_of_the_checkpoint_file(tiny_path):
     with open("/proc/self/maps") as maps:
         assert not [line for line in maps if line.rstrip().endswith(file)]
     engine.destroy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_clipping_by_the_fused_optimizers_scale_equals_clipping_the_gradients(tiny_path,
+                                                                           monkeypatch, dtype):
+    # Adam's first moment after one step is (1 - beta1) x the gradient it used: the clipped
+    # one. Clipped by the fused AdamW's scale or in place first, the moments agree to fp32
+    # roundings; both are the unclipped moments x max_norm / norm (a scale forgotten or
+    # applied twice fails), and no scale is left behind for a later step.
+    moments, norms = [], []
+    for clip, in_optimizer in ((0.0, True), (1e-3, False), (1e-3, True)):
+        monkeypatch.setattr(engine_module, "CLIP_IN_OPTIMIZER", in_optimizer)
+        engine = make_engine(tiny_path, dtype=dtype,
+                             optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=clip))
+        norms.append(engine.train_batch(make_batch(seed=0), nll_loss)["grad_norm"])
+        assert engine.optimizer.grad_scale is None
+        moments.append({n: engine.optimizer.state[p]["exp_avg"].clone()
+                        for n, p in engine.model.named_parameters()})
+        engine.destroy()
+    (unclipped, in_place, scaled), coef = moments, 1e-3 / (norms[0] + 1e-6)
+    assert norms[0] == norms[1] == norms[2] > 1e-3
+    for name, m in unclipped.items():
+        torch.testing.assert_close(scaled[name], in_place[name], rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(scaled[name], m * coef, rtol=1e-5, atol=1e-12)

@@ -143,3 +143,33 @@ def test_the_gather_from_rows_equals_indexing_forward_and_backward():
     ref.backward(grad)
     assert torch.equal(ours.grad, theirs.grad)
     assert int((ours.grad != 0).any(-1).any(1).sum()) == 22  # the other slots get zeros
+
+
+def test_the_c_moves_between_nodes_and_rows_equal_torch_indexing_forward_and_backward():
+    """The matmul path's moves in C (`_ToRows`, `_RowsToNodes`) against the torch moves
+    (`_to_rows`, `_FromRows`) around the same `_MatmulAttention`, bit for bit: nodes in an
+    unordered subset of the slots (gaps are padding), q, k, v node-major as HF lays them."""
+    g = torch.Generator().manual_seed(1)
+    rows, heads, kv_heads, width, dim, n = 3, 6, 2, 40, 32, 97
+    mask = trie_mask(rows, width)
+    slots = torch.randperm(rows * width, generator=g)[:n]
+
+    def node_major(h):  # [1, h, N, D] viewed from [1, N, h, D], as q_proj(...).transpose(1, 2)
+        x = torch.randn(1, n, h, dim, generator=g).to(torch.bfloat16).transpose(1, 2)
+        return x.requires_grad_()
+
+    q, k, v = node_major(heads), node_major(kv_heads), node_major(kv_heads)
+    grad = torch.randn(1, n, heads, dim, generator=g).to(torch.bfloat16)
+    ours = attention.trie_attention(torch.nn.Module(), q, k, v, mask, trie_slots=slots)[0]
+    ours.backward(grad)
+    ours_grads = [x.grad for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    moved = [attention._to_rows(x, slots, rows, width) for x in (q, k, v)]
+    out = attention._MatmulAttention.apply(*moved, mask, dim ** -0.5)
+    theirs = attention._FromRows.apply(out, slots)[None]
+    theirs.backward(grad)
+    assert torch.equal(ours, theirs)
+    for mine, x in zip(ours_grads, (q, k, v), strict=True):
+        assert torch.equal(mine, x.grad)
+        assert mine.abs().sum() > 0

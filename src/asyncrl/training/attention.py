@@ -16,6 +16,12 @@ matmuls and softmax gradient are written out here: ~2x faster forward and backwa
 softmax, as SDPA's math path does; flash keeps them in float32, so the two differ by bf16
 roundings (tests/unit/test_trie_attention.py states the tolerance). Where one layer's
 probabilities would pass `MATMUL_ATTENTION_BYTES` (long rows), flash runs as before.
+
+On that path q, k and v go to the rows, and the output back to the nodes, in C as well
+(`_ToRows`, `_RowsToNodes`): one pass per tensor each way, into rows laid out as the matmuls
+read them. torch's moves (a zero fill, an index_copy and a transposing copy per tensor, the
+same backward) were ~0.15 s of a quickstart-shaped step at one thread; A/B in separate
+processes, alternated: step 4.13-4.45 vs 4.37-4.53 s (`MOVES_IN_C`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from torch import nn
 NAME = "asyncrl_trie"
 # The matmul path where it applies (tests and benchmarks switch it off to run SDPA's flash).
 USE_KERNELS = True
+# On the matmul path, q, k, v and the output moved between nodes and rows in C (off: torch's
+# index_copy and index_select around transposing copies; the same numbers).
+MOVES_IN_C = True
 # The most bytes of bf16 probabilities [R, H, L, L] one layer may keep for backward on the
 # matmul path (the quickstart's rows: ~3.5 MB); larger packs take flash, which keeps none.
 MATMUL_ATTENTION_BYTES = 32 << 20
@@ -39,14 +48,17 @@ MATMUL_ATTENTION_BYTES = 32 << 20
 def _kernels() -> ctypes.CDLL | None:
     from asyncrl.engine import kernels
 
-    p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     return kernels.bind("masked_softmax", {
         "masked_softmax_fwd_bf16": [p, p, i32, i32, i32, f32, p, i32],
-        "masked_softmax_bwd_bf16": [p, p, i32, i32, f32, p, i32]})
+        "masked_softmax_bwd_bf16": [p, p, i32, i32, f32, p, i32],
+        "nodes_to_rows_16": [p, i64, i64, p, i32, i32, i32, i32, p, i32],
+        "rows_to_nodes_16": [p, p, i32, i32, i32, i32, p, i32]})
 
 
-def _matmul_path(q: torch.Tensor, mask: torch.Tensor) -> bool:
-    rows, heads, width = q.shape[0], q.shape[1], q.shape[2]
+def _matmul_path(q: torch.Tensor, mask: torch.Tensor, rows: int, width: int) -> bool:
+    """Whether queries q [1, H, N, D] on the nodes take the matmul path on [R, L] rows."""
+    heads = q.shape[1]
     return (USE_KERNELS and q.device.type == "cpu" and q.dtype == torch.bfloat16
             and mask.dtype == torch.bool and mask.shape[1] == 1
             and 2 * rows * heads * width * width <= MATMUL_ATTENTION_BYTES
@@ -105,9 +117,18 @@ def trie_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise ValueError("trie attention takes the nodes as one row and the pack's 4D mask "
                          "(PrefixPack.model_inputs)")
     rows, width = attention_mask.shape[0], attention_mask.shape[-1]
-    q, k, v = (_to_rows(x, trie_slots, rows, width) for x in (query, key, value))
     scale = kwargs.get("scaling")
-    if _matmul_path(q, attention_mask):
+    matmul = _matmul_path(query, attention_mask, rows, width)
+    if matmul and MOVES_IN_C:
+        slots = trie_slots.to(torch.long).contiguous()
+        node_of = torch.full((rows * width,), -1, dtype=torch.long).index_copy_(
+            0, slots, torch.arange(len(slots)))
+        q, k, v = (_ToRows.apply(x, slots, node_of, rows, width) for x in (query, key, value))
+        out = _MatmulAttention.apply(q, k, v, attention_mask,
+                                     q.shape[-1] ** -0.5 if scale is None else scale)
+        return _RowsToNodes.apply(out, slots, node_of)[None], None  # [1, N, H, D]
+    q, k, v = (_to_rows(x, trie_slots, rows, width) for x in (query, key, value))
+    if matmul:
         out = _MatmulAttention.apply(q, k, v, attention_mask,
                                      q.shape[-1] ** -0.5 if scale is None else scale)
     else:
@@ -117,6 +138,61 @@ def trie_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             q, k, v, attn_mask=attention_mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1])
     return _FromRows.apply(out, trie_slots)[None], None  # [1, N, H, D]
+
+
+def _rows_to_nodes(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[R, H, L, D] contiguous on the packed rows -> [N, H, D] contiguous at the slots (C)."""
+    _, heads, width, dim = x.shape
+    out = x.new_empty(len(slots), heads, dim)
+    _kernels().rows_to_nodes_16(x.data_ptr(), slots.data_ptr(), len(slots), heads, width, dim,
+                                out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _nodes_to_rows(x: torch.Tensor, node_of: torch.Tensor, rows: int,
+                   width: int) -> torch.Tensor:
+    """[N, H, D] on the nodes (D contiguous) -> [R, H, L, D] contiguous, 0 on padding (C)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    heads, dim = x.shape[1], x.shape[2]
+    out = x.new_empty(rows, heads, width, dim)
+    _kernels().nodes_to_rows_16(x.data_ptr(), x.stride(0), x.stride(1), node_of.data_ptr(),
+                                rows, heads, width, dim, out.data_ptr(),
+                                torch.get_num_threads())
+    return out
+
+
+class _ToRows(torch.autograd.Function):
+    """[1, H, N, D] on the nodes -> [R, H, L, D] contiguous on the packed rows, 0 on padding;
+    backward gathers the nodes' gradients back (node-major, as HF's q, k and v are laid)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, slots: torch.Tensor, node_of: torch.Tensor,
+                rows: int, width: int) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        return _nodes_to_rows(x[0].transpose(0, 1), node_of, rows, width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (slots,) = ctx.saved_tensors
+        nodes = _rows_to_nodes(grad.contiguous(), slots)  # [N, H, D]
+        return nodes.transpose(0, 1)[None], None, None, None, None
+
+
+class _RowsToNodes(torch.autograd.Function):
+    """[R, H, L, D] on the packed rows -> [N, H, D] at the nodes' slots (`_FromRows` in C)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, slots: torch.Tensor,
+                node_of: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(node_of)
+        ctx.rows, ctx.width = x.shape[0], x.shape[2]
+        return _rows_to_nodes(x.contiguous(), slots)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (node_of,) = ctx.saved_tensors
+        return _nodes_to_rows(grad, node_of, ctx.rows, ctx.width), None, None
 
 
 def _to_rows(x: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:

@@ -8,7 +8,8 @@
  * mask: [R, L, L] bytes, 1 where query i may attend to key j (every row allows its query's
  * own key, so no row is empty). Each row is computed in float32 from cache and rounded once,
  * as torch's masked_fill + softmax and its softmax backward do; these replace 3 passes over
- * the [R, H, L, L] tensors forward and 2 backward.
+ * the [R, H, L, L] tensors forward and 2 backward. At the end of the file: the moves of
+ * q, k, v and the output between the trie's nodes and the packed rows.
  *
  * Compiled at first use by kernels/__init__.py; torch's thread pool is shared (libgomp).
  */
@@ -86,6 +87,49 @@ void masked_softmax_bwd_bf16(const uint16_t *p, const uint16_t *dp, int rows, in
 #pragma omp simd
             for (int j = 0; j < L; j++)
                 out[j] = f32_to_bf16(scale * bf16_to_f32(pr[j]) * (bf16_to_f32(gr[j]) - dot));
+        }
+    }
+}
+
+/* The moves of q, k, v and the output between the trie's nodes and the packed rows, each one
+ * pass of 2-byte vectors (torch's were a zero fill, an index_copy, a transposing copy
+ * forward and the same again backward, per tensor and layer).
+ *
+ * nodes -> rows: out [R, H, L, D] contiguous; slot l of row r holds node node_of[r L + l]'s
+ * vector of head h, read at x + n sn + h sh (D contiguous), or zeros where node_of is -1. */
+void nodes_to_rows_16(const uint16_t *x, int64_t sn, int64_t sh, const int64_t *node_of,
+                      int R, int H, int L, int D, uint16_t *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        int lo, hi;
+        share(R * H, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        for (int rh = lo; rh < hi; rh++) {
+            const int r = rh / H, h = rh % H;
+            uint16_t *o = out + (int64_t)rh * L * D;
+            for (int l = 0; l < L; l++, o += D) {
+                const int64_t n = node_of[(int64_t)r * L + l];
+                if (n < 0)
+                    memset(o, 0, sizeof(uint16_t) * (size_t)D);
+                else
+                    memcpy(o, x + n * sn + h * sh, sizeof(uint16_t) * (size_t)D);
+            }
+        }
+    }
+}
+
+/* rows -> nodes: out [N, H, D] contiguous; node n's vector of head h from rows [R, H, L, D]
+ * (contiguous) at its flat slot r L + l = slots[n]. */
+void rows_to_nodes_16(const uint16_t *rows, const int64_t *slots, int N, int H, int L, int D,
+                      uint16_t *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        int lo, hi;
+        share(N, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        for (int n = lo; n < hi; n++) {
+            const int64_t r = slots[n] / L, l = slots[n] % L;
+            for (int h = 0; h < H; h++)
+                memcpy(out + ((int64_t)n * H + h) * D, rows + ((r * H + h) * L + l) * D,
+                       sizeof(uint16_t) * (size_t)D);
         }
     }
 }
