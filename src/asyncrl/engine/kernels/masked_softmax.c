@@ -20,6 +20,101 @@
 #include <omp.h>
 #include "common.h"
 
+#ifdef __AVX512BF16__
+/* The first min(n, 16) of 16 lanes. */
+static inline __mmask16 lanes(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+#endif
+
+/* One row of the forward: p[0, L) from s and the mask row m, keys past `end` all hidden;
+ * buf holds L + 16 floats. */
+static void softmax_row(const uint16_t *sr, const uint8_t *m, int end, int L, float scale,
+                        float *buf, uint16_t *pr) {
+#ifdef __AVX512BF16__
+    /* 16 keys at a time (the tail under a lane mask), the same float32 steps as below: the
+     * row's max and the values are the same; the sum adds in another order. */
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vtop = ninf;
+    for (int j = 0; j < end; j += 16) {
+        const __mmask16 t = lanes(end - j);
+        const __m128i mb = _mm_maskz_loadu_epi8(t, m + j);
+        const __mmask16 allowed = _mm_test_epi8_mask(mb, mb);
+        const __m512 x = _mm512_mask_mul_ps(ninf, allowed, vscale,
+                                            bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, sr + j)));
+        _mm512_storeu_ps(buf + j, x);
+        vtop = _mm512_max_ps(vtop, x);
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vtop));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int j = 0; j < end; j += 16) {
+        const __mmask16 t = lanes(end - j);
+        const __m128i mb = _mm_maskz_loadu_epi8(t, m + j);
+        const __mmask16 allowed = _mm_test_epi8_mask(mb, mb);
+        const __m512 e = _mm512_maskz_mov_ps(
+            allowed, exp_neg_x16(_mm512_sub_ps(_mm512_loadu_ps(buf + j), top)));
+        _mm512_storeu_ps(buf + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (int j = 0; j < end; j += 16) {
+        const __mmask16 t = lanes(end - j);
+        _mm256_mask_storeu_epi16(pr + j, t, (__m256i)_mm512_cvtneps_pbh(
+            _mm512_mul_ps(_mm512_loadu_ps(buf + j), inv)));
+    }
+#else
+    float top = -INFINITY;
+#pragma omp simd reduction(max:top)
+    for (int j = 0; j < end; j++) {
+        const float x = m[j] ? scale * bf16_to_f32(sr[j]) : -INFINITY;
+        buf[j] = x;
+        top = x > top ? x : top;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+    for (int j = 0; j < end; j++) {
+        const float e = m[j] ? exp_neg(buf[j] - top) : 0.0f;  /* -inf - top: clamped */
+        buf[j] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int j = 0; j < end; j++)
+        pr[j] = f32_to_bf16(buf[j] * inv);
+#endif
+    memset(pr + end, 0, sizeof(uint16_t) * (size_t)(L - end));
+}
+
+/* One row of the backward: ds = scale * p * (dp - sum_j p_j dp_j). */
+static void softmax_grad_row(const uint16_t *pr, const uint16_t *gr, int L, float scale,
+                             uint16_t *out) {
+#ifdef __AVX512BF16__
+    __m512 vdot = _mm512_setzero_ps();
+    for (int j = 0; j < L; j += 16) {
+        const __mmask16 t = lanes(L - j);
+        vdot = _mm512_fmadd_ps(bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, pr + j)),
+                               bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, gr + j)), vdot);
+    }
+    const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(vdot));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int j = 0; j < L; j += 16) {
+        const __mmask16 t = lanes(L - j);
+        const __m512 pv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, pr + j));
+        const __m512 gv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, gr + j));
+        _mm256_mask_storeu_epi16(out + j, t, (__m256i)_mm512_cvtneps_pbh(
+            _mm512_mul_ps(_mm512_mul_ps(vscale, pv), _mm512_sub_ps(gv, dot))));
+    }
+#else
+    float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+    for (int j = 0; j < L; j++)
+        dot += bf16_to_f32(pr[j]) * bf16_to_f32(gr[j]);
+#pragma omp simd
+    for (int j = 0; j < L; j++)
+        out[j] = f32_to_bf16(scale * bf16_to_f32(pr[j]) * (bf16_to_f32(gr[j]) - dot));
+#endif
+}
+
 void masked_softmax_fwd_bf16(const uint16_t *s, const uint8_t *mask, int R, int H, int L,
                              float scale, uint16_t *p, int nthreads) {
     const int rows = R * H * L;
@@ -39,32 +134,11 @@ void masked_softmax_fwd_bf16(const uint16_t *s, const uint8_t *mask, int R, int 
         }
 #pragma omp barrier
         share(rows, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        float buf[L];
+        float buf[L + 16];
         for (int row = lo; row < hi; row++) {
             const int r = row / (H * L), i = row % L;
-            const uint8_t *m = mask + ((int64_t)r * L + i) * L;
-            const int end = ends[r * L + i];
-            const uint16_t *sr = s + (int64_t)row * L;
-            uint16_t *pr = p + (int64_t)row * L;
-            float top = -INFINITY;
-#pragma omp simd reduction(max:top)
-            for (int j = 0; j < end; j++) {
-                const float x = m[j] ? scale * bf16_to_f32(sr[j]) : -INFINITY;
-                buf[j] = x;
-                top = x > top ? x : top;
-            }
-            float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-            for (int j = 0; j < end; j++) {
-                const float e = m[j] ? exp_neg(buf[j] - top) : 0.0f;  /* -inf - top: clamped */
-                buf[j] = e;
-                sum += e;
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int j = 0; j < end; j++)
-                pr[j] = f32_to_bf16(buf[j] * inv);
-            memset(pr + end, 0, sizeof(uint16_t) * (size_t)(L - end));
+            softmax_row(s + (int64_t)row * L, mask + ((int64_t)r * L + i) * L,
+                        ends[r * L + i], L, scale, buf, p + (int64_t)row * L);
         }
     }
     free(ends);
@@ -77,17 +151,9 @@ void masked_softmax_bwd_bf16(const uint16_t *p, const uint16_t *dp, int rows, in
     {
         int lo, hi;
         share(rows, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        for (int row = lo; row < hi; row++) {
-            const uint16_t *pr = p + (int64_t)row * L, *gr = dp + (int64_t)row * L;
-            uint16_t *out = ds + (int64_t)row * L;
-            float dot = 0.0f;
-#pragma omp simd reduction(+:dot)
-            for (int j = 0; j < L; j++)
-                dot += bf16_to_f32(pr[j]) * bf16_to_f32(gr[j]);
-#pragma omp simd
-            for (int j = 0; j < L; j++)
-                out[j] = f32_to_bf16(scale * bf16_to_f32(pr[j]) * (bf16_to_f32(gr[j]) - dot));
-        }
+        for (int row = lo; row < hi; row++)
+            softmax_grad_row(p + (int64_t)row * L, dp + (int64_t)row * L, L, scale,
+                             ds + (int64_t)row * L);
     }
 }
 
