@@ -36,6 +36,23 @@ def test_widened_add_equals_torchs_fp32_add(monkeypatch):
     assert torch.equal(strided, expected.t())
 
 
+@needs_kernels
+def test_t_matmul_equals_the_transposed_product_in_chunks(monkeypatch):
+    # x^T @ y through contiguous chunks of x^T (3 of 40 rows and a tail of 23): each output
+    # element is the same fp32 dot product rounded once, so within one bf16 rounding of
+    # torch's, and of float64; into a given buffer, and from x with rows wider than used.
+    monkeypatch.setattr(grad_ops, "TRANSPOSED_ROWS", 40)
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(37, 150, generator=gen).to(torch.bfloat16)
+    x, y = wide[:, :143], torch.randn(37, 24, generator=gen).to(torch.bfloat16)
+    out = torch.full((143, 24), 7.0, dtype=torch.bfloat16)
+    assert grad_ops.t_matmul(x, y, out=out) is out
+    exact = x.double().t() @ y.double()
+    step = exact.abs() * 2**-8 + 1e-6
+    assert bool(((out.double() - exact).abs() <= step).all())
+    assert bool(((out.double() - (x.t() @ y).double()).abs() <= 2 * step).all())
+
+
 def linear_grads(module, x, use):
     linear.USE_CONTIGUOUS = use
     try:

@@ -12,6 +12,7 @@ import torch
 # The C kernels where they apply (tests switch them off to run the torch path).
 USE_KERNELS = True
 WIDEN_CHUNK = 1 << 16  # elements of the torch fallback's widened chunk: 256 KiB of fp32
+TRANSPOSED_ROWS = 8192  # rows of x^T per chunk in `t_matmul` (the head's: 8192 x tokens)
 
 
 @functools.cache
@@ -35,6 +36,30 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((cols, rows), dtype=x.dtype)
     _kernels().transpose_bf16(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(),
                               torch.get_num_threads())
+    return out
+
+
+def t_matmul(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x.t() @ y for x [K, M] and y [K, N], into `out` [M, N] if given.
+
+    oneDNN reads a transposed first operand at about a third of its speed on the log-prob
+    head's weight gradient (template [tokens, vocab]^T @ hidden: 132 vs 38 ms at one
+    thread); x^T is copied in chunks of `TRANSPOSED_ROWS` rows (~30 ms for the whole
+    template), each multiplied contiguous into its rows of the output.
+    """
+    if not (x.dtype == y.dtype == torch.bfloat16 and x.dim() == y.dim() == 2
+            and x.stride(1) == 1 and _on_cpu(x, y)):
+        return torch.mm(x.t(), y, out=out)
+    (k, m), n = x.shape, y.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype)
+    y = y.contiguous()
+    chunk = torch.empty((min(m, TRANSPOSED_ROWS), k), dtype=x.dtype)
+    for start in range(0, m, TRANSPOSED_ROWS):
+        rows = chunk[:min(TRANSPOSED_ROWS, m - start)]
+        _kernels().transpose_bf16(x[:, start:].data_ptr(), k, rows.shape[0], x.stride(0),
+                                  rows.data_ptr(), torch.get_num_threads())
+        torch.mm(rows, y, out=out[start:start + rows.shape[0]])
     return out
 
 

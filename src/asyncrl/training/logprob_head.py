@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from asyncrl.training import precision
+from asyncrl.training.grad_ops import t_matmul
 
 # Floats of one chunk of fp32 logits (128 MiB): bounds the memory of the projection.
 LOGIT_CHUNK_ELEMENTS = 2**25
@@ -182,15 +183,15 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_hidden[start:start + rows] = grad_z @ weight
             if want_weight and start >= kept:  # a recomputed chunk: its own part
                 if sink is not None:
-                    sink.add_matmul(grad_z.t(), h)
+                    sink.add_matmul(grad_z, h)
                     continue
-                part = grad_z.t() @ h
+                part = t_matmul(grad_z, h)
                 grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
         if want_weight and kept:  # the kept chunks' part: one matmul over their rows
             if sink is not None:
-                sink.add_matmul(templates.t(), hidden[:kept])
+                sink.add_matmul(templates, hidden[:kept])
             else:
-                part = templates.t() @ hidden[:kept]
+                part = t_matmul(templates, hidden[:kept])
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

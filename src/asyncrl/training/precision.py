@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from asyncrl.api import cores
-from asyncrl.training.grad_ops import add_widened
+from asyncrl.training.grad_ops import add_widened, t_matmul
 
 # Gradients of the tied embedding straight into the fp32 master (off: through autograd, the
 # numbers of FSDP2 bit for bit; tests and the benchmark's A/B switch it).
@@ -57,12 +57,12 @@ class GradSink:
         self._scratch: torch.Tensor | None = None
 
     def add_matmul(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """master.grad += a @ b, the product rounded to the compute dtype first (as autograd
+        """master.grad += a^T @ b, the product rounded to the compute dtype first (as autograd
         would return it), into a scratch kept from step to step."""
         if self._scratch is None:
             self._scratch = torch.empty(self._master.shape, dtype=self._dtype,
                                         device=self._master.device)
-        self._weights._add_to_master(self._master, torch.mm(a, b, out=self._scratch))
+        self._weights._add_to_master(self._master, t_matmul(a, b, out=self._scratch))
 
     def index_add(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """master.grad[index] += rows, summed in fp32 (an embedding lookup's gradient)."""
