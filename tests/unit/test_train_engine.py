@@ -20,6 +20,7 @@ from asyncrl.training import (
     split_by_token_budget,
 )
 from asyncrl.training import engine as engine_module
+from asyncrl.training import optim
 from asyncrl.training.dist import free_port
 from asyncrl.training.optim import lr_factor
 from asyncrl.training.updates import merge_update_stats, split_minibatches, train_epochs
@@ -245,12 +246,15 @@ def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypat
     # (training/precision.py). Same casts, bf16 gradients summed in fp32 over micro-batches,
     # the tied embedding's two uses meeting in one copy: FSDP2's numbers exactly, over two
     # steps of four micro-batches each, an eval forward between them. (The tied embedding's
-    # gradient sink is off here: it sums those two uses in fp32, the next test; so is the
+    # gradient sink is off here: it sums those two uses in fp32, the next test; so are the
     # clipping by the fused AdamW's scale, which FSDP's DTensors do not take: it divides
-    # where clip_grads_with_norm_ multiplies, test_clipping_by_the_fused_optimizers_scale...)
+    # where clip_grads_with_norm_ multiplies, test_clipping_by_the_fused_optimizers_scale...;
+    # and the AdamW in C that writes the copies, its FMAs rounding apart from torch's,
+    # test_copying_adamw_in_the_engine...)
     monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 3 * 320)
     monkeypatch.setattr(precision, "GRADS_TO_MASTER", False)
     monkeypatch.setattr(engine_module, "CLIP_IN_OPTIMIZER", False)
+    monkeypatch.setattr(optim, "WRITE_COPIES_IN_STEP", False)
     results = []
     for fsdp in (True, False):
         monkeypatch.setattr(engine_module, "FSDP_ON_ONE_RANK", fsdp)
@@ -488,3 +492,60 @@ def test_clipping_by_the_fused_optimizers_scale_equals_clipping_the_gradients(ti
     for name, m in unclipped.items():
         torch.testing.assert_close(scaled[name], in_place[name], rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(scaled[name], m * coef, rtol=1e-5, atol=1e-12)
+
+
+def test_copying_adamw_in_the_engine_keeps_the_copies_fresh_and_trains_as_torchs(
+        tiny_path, monkeypatch):
+    # On one rank in bf16 the step writes each master's compute copy itself: after every
+    # step each copy is its master rounded to bf16 exactly (what the next forward reads, no
+    # cast run). One step lands within fp32 roundings of torch's fused AdamW. (Later steps
+    # drift further: a weight one fp32 rounding apart may round to another bf16 copy, and
+    # Adam's normalised update turns the gradients' tiny differences into steps of lr.)
+    runs = []
+    for in_step in (True, False):
+        monkeypatch.setattr(optim, "WRITE_COPIES_IN_STEP", in_step)
+        engine = make_engine(tiny_path, dtype="bfloat16",
+                             optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1))
+        assert isinstance(engine.optimizer, optim.CopyingAdamW) == in_step
+        before = engine.hf_state_dict()
+        engine.train_batch(make_batch(seed=0), nll_loss)
+        runs.append(engine.hf_state_dict())
+        engine.train_batch(make_batch(seed=1), nll_loss)
+        if in_step:
+            pairs = list(engine._compute_weights._pairs.values())
+            assert all(torch.equal(copy, master.to(torch.bfloat16))
+                       for master, copy in pairs if master.requires_grad)
+        engine.destroy()
+    ours, theirs = runs
+    for name in theirs:
+        assert not torch.equal(theirs[name], before[name]), name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-8)
+
+
+def test_publishing_writes_the_fresh_bf16_copies_without_casting_again(tiny_path, tmp_path):
+    # After a CopyingAdamW step the copies are the bf16 weights: save_hf writes them
+    # (a copy overwritten here shows in the file), equal to the masters cast to bf16.
+    # Once the masters change under them (a state load), the masters are cast again.
+    from safetensors.torch import load_file
+
+    engine = make_engine(tiny_path, dtype="bfloat16")
+    assert isinstance(engine.optimizer, optim.CopyingAdamW)
+    engine.train_batch(make_batch(seed=0), nll_loss)
+    engine.save_state(str(tmp_path / "state"))
+    engine.save_hf(str(tmp_path / "a"), dtype=torch.bfloat16)
+    masters = engine.hf_state_dict()
+    written = load_file(tmp_path / "a" / "model.safetensors")
+    assert written.keys() == masters.keys()
+    for name, value in written.items():
+        assert torch.equal(value, masters[name].to(torch.bfloat16)), name
+    name = "model.layers.0.mlp.up_proj.weight"
+    master = dict(engine.model.hf.named_parameters())[name]
+    copy = engine._compute_weights._pairs[id(master)][1]
+    copy.data.fill_(3.0)  # the copy stands for its master while it is fresh
+    engine.save_hf(str(tmp_path / "b"), dtype=torch.bfloat16)
+    assert bool((load_file(tmp_path / "b" / "model.safetensors")[name] == 3.0).all())
+    engine.load_state(str(tmp_path / "state"))  # masters written: cast again
+    engine.save_hf(str(tmp_path / "c"), dtype=torch.bfloat16)
+    assert torch.equal(load_file(tmp_path / "c" / "model.safetensors")[name],
+                       master.detach().to(torch.bfloat16))
+    engine.destroy()

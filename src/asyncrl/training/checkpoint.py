@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,11 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
 
 
 def full_state_dict(model: torch.nn.Module, *, prefix: str, drop: set[str],
-                    dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of `model`'s weights, keys without `prefix` (a collective)."""
+                    dtype: torch.dtype | None,
+                    ready: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of `model`'s weights, keys without `prefix` (a collective).
+    `ready`: tensors already in `dtype` by the data pointer of the weight they stand for
+    (the trainer's bf16 compute copies); those are returned themselves, not copied."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)  # empty off rank 0
     out = {}
@@ -55,6 +59,10 @@ def full_state_dict(model: torch.nn.Module, *, prefix: str, drop: set[str],
             raise ValueError(f"state-dict key {key!r} does not start with {prefix!r}")
         name = key[len(prefix):]
         if name in drop:
+            continue
+        given = ready.get(value.data_ptr()) if ready else None
+        if given is not None and given.dtype == dtype and given.shape == value.shape:
+            out[name] = given
             continue
         # A copy: on one CPU rank the gathered tensor can be the live parameter itself.
         out[name] = value.to(dtype=dtype, copy=True).contiguous()

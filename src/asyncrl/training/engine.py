@@ -51,7 +51,7 @@ from asyncrl.training.logprob_head import token_logprobs
 from asyncrl.training.microbatch import plan_micro_batches, to_device
 from asyncrl.training.mlp import use_fused_mlps
 from asyncrl.training.norm import use_fused_norms
-from asyncrl.training.optim import init_state, make_lr_scheduler, make_optimizer
+from asyncrl.training.optim import CopyingAdamW, init_state, make_lr_scheduler, make_optimizer
 from asyncrl.training.precision import ComputeWeights
 from asyncrl.training.prefix import PrefixPack, pack_prefixes
 from asyncrl.training.rope import use_fused_rope
@@ -301,11 +301,12 @@ class FSDPTrainEngine:
         self._shard(self.model)
         if cores.current() is not None:
             _follow_core_share(self.model.hf.get_decoder().layers)
-        self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer)
+        copies = self._compute_weights.copies() if self._compute_weights is not None else None
+        self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer, copies)
         if self.device.type == "cpu":
             init_state(self.optimizer)  # training/optim.py: not in the first steps
-        if self._compute_weights is not None:
-            self._compute_weights.watch(self.optimizer)
+        if self._compute_weights is not None and not isinstance(self.optimizer, CopyingAdamW):
+            self._compute_weights.watch(self.optimizer)  # the copies are cast again
         self.lr_scheduler = make_lr_scheduler(self.optimizer, self.spec.optimizer, self.total_steps)
 
     def _wrap(self, hf_model: nn.Module) -> nn.Module:
@@ -507,7 +508,11 @@ class FSDPTrainEngine:
         Every rank must call it (gathering the shards is a collective); only rank 0 writes.
         """
         model = self._require_model()
-        weights = self.hf_state_dict(dtype)
+        # On one rank the bf16 compute copies, when they hold the masters' current values
+        # (CopyingAdamW writes them as it steps), are the bf16 weights: no second cast.
+        fresh = self._compute_weights.fresh() if self._compute_weights is not None else None
+        weights = checkpoint.full_state_dict(model, prefix=HF_PREFIX, drop=self._tied,
+                                             dtype=dtype, ready=fresh)
         if self.rank == 0:
             hf = model.hf
             checkpoint.write_hf_folder(path, weights, hf.config, self.tokenizer,

@@ -9,7 +9,9 @@ quickstart's two cores that was ~12% of a training step.
 On one rank the model keeps its fp32 master parameters: what the optimiser steps, what state
 dicts and checkpoints hold. `ComputeWeights` keeps one persistent copy of each master in the
 compute dtype. Inside `active()` the modules hold the copies, refreshed from the masters on
-entry (one cast per step, into the same buffers). As soon as a backward has accumulated a
+entry where they changed (one cast per step, into the same buffers), unless the optimiser
+wrote them as it stepped (`training/optim.py`'s CopyingAdamW, the default on the CPU); such
+fresh copies are also what a bf16 publish writes (`fresh`). As soon as a backward has accumulated a
 copy's gradient, it is added to its master's fp32 `.grad` and freed: each micro-batch's bf16
 gradient summed in fp32, the numbers of FSDP2 with `reduce_dtype=float32`. Tied parameters
 (one object under two names) share one copy, so their gradients meet in it as in FSDP.
@@ -127,6 +129,26 @@ class ComputeWeights:
     def invalidate(self) -> None:
         """The masters changed: cast them all on the next `active()`."""
         self._stale = True
+
+    def copies(self) -> dict[int, nn.Parameter]:
+        """id of each master that takes a gradient -> its copy, for an optimiser that
+        writes the copies as it steps (`training/optim.py`'s CopyingAdamW): those need no
+        cast after its steps, so it is not `watch`ed."""
+        return {key: copy for key, (master, copy) in self._pairs.items()
+                if master.requires_grad}
+
+    def fresh(self) -> dict[int, nn.Parameter] | None:
+        """The copies by their masters' data pointers (as a state dict's tensors point), if
+        every copy holds its master's current value (cast, or written by the optimiser's
+        step, since the master last changed); else None."""
+        if self._stale or len(self._seen) != len(self._pairs):
+            return None
+        out = {}
+        for key, (master, copy) in self._pairs.items():
+            if self._seen[key] != (master._version, master.data_ptr()):
+                return None
+            out[master.data_ptr()] = copy
+        return out
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Cast again after each step of `optimizer`, which updates the masters."""
