@@ -53,6 +53,29 @@ def test_t_matmul_equals_the_transposed_product_in_chunks(monkeypatch):
     assert bool(((out.double() - (x.t() @ y).double()).abs() <= 2 * step).all())
 
 
+@needs_kernels
+def test_total_norm_equals_float64_over_tensors_of_any_size():
+    # Sizes around the kernel's blocks (16k per thread share, 4096 per float sum), the
+    # threads' shares crossing tensor boundaries; against float64, to fp32 precision.
+    gen = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(n, generator=gen) * s
+               for n, s in ((1, 3.0), (4095, 1.0), (16385, 1e-3), (70_001, 2.0), (5, 1e2))]
+    tensors.append(torch.randn(33, 65, generator=gen))
+    exact = torch.cat([t.double().flatten() for t in tensors]).norm()
+    before = torch.get_num_threads()
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        try:
+            norm = grad_ops.total_norm(tensors)
+        finally:
+            torch.set_num_threads(before)
+        assert norm.dtype == torch.float32 and norm.dim() == 0
+        torch.testing.assert_close(norm.double(), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(tensors), rtol=1e-6, atol=0)
+    assert grad_ops.total_norm([t.t() for t in tensors[-1:]]) is None  # not contiguous
+    assert grad_ops.total_norm([tensors[0].double()]) is None
+
+
 def linear_grads(module, x, use):
     linear.USE_CONTIGUOUS = use
     try:

@@ -42,7 +42,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.training import checkpoint, heap, precision
+from asyncrl.training import checkpoint, grad_ops, heap, precision
 from asyncrl.training.attention import NAME as TRIE_ATTENTION
 from asyncrl.training.attention import use_trie_attention
 from asyncrl.training.dist import init_process_group, local_device
@@ -64,6 +64,9 @@ FSDP_ON_ONE_RANK = False
 # thread, where most steps clip. Plain tensors only (FSDP's DTensors clip in place); off:
 # clip_grads_with_norm_, the same update up to a rounding of the scaled gradient.
 CLIP_IN_OPTIMIZER = True
+# The global gradient norm in one parallel pass in C (grad_ops.total_norm) where it applies
+# (plain fp32 CPU gradients); off: torch's get_total_norm, which rounds its sums otherwise.
+NORM_IN_C = True
 
 
 class TokenLogprobModel(nn.Module):
@@ -477,7 +480,10 @@ class FSDPTrainEngine:
         (`CLIP_IN_OPTIMIZER`; the caller resets `optimizer.grad_scale` after it)."""
         self.optimizer.grad_scale = None
         params = [p for p in self._require_model().parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grads = [p.grad for p in params]
+        norm = grad_ops.total_norm(grads) if NORM_IN_C else None
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # per-shard partial norms -> the global norm
         max_norm = self.spec.optimizer.gradient_clipping

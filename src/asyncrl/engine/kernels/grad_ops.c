@@ -1,4 +1,4 @@
-/* Two passes of the trainer's backward over bf16 gradients (training/linear.py,
+/* Passes of the trainer's backward over its gradients (training/linear.py,
  * training/precision.py):
  *
  *   transpose_bf16    out [C, R] = in [R, C]^T (in's rows ld elements apart), 8 x 32
@@ -6,6 +6,7 @@
  *                     rows: ~3x torch's transposing copy at the quickstart's sizes
  *   add_bf16_to_f32   total [n] += part [n] widened exactly (bf16 -> fp32 is a shift, and
  *                     one fp32 add each, as torch's add_ rounds it)
+ *   sum_squares_f32   the squared 2-norm of a list of fp32 tensors (the gradient norm)
  *
  * Compiled at first use by kernels/__init__.py; torch's thread pool is shared (libgomp).
  */
@@ -85,4 +86,32 @@ void add_bf16_to_f32(float *total, const uint16_t *part, int64_t n, int nthreads
         for (int64_t i = a; i < b; i++)
             total[i] += bf16_to_f32(part[i]);
     }
+}
+
+/* sum of squares over n tensors (fp32, each ptrs[t] of sizes[t] elements), in double: the
+ * global gradient norm's square in one parallel pass; each thread takes an equal share of
+ * all the elements, whatever the tensors' sizes (torch's norm ran one tensor at a time). */
+double sum_squares_f32(const float *const *ptrs, const int64_t *sizes, int n, int nthreads) {
+    int64_t total = 0;
+    for (int t = 0; t < n; t++) total += sizes[t];
+    double sum = 0.0;
+#pragma omp parallel num_threads(nthreads) reduction(+:sum)
+    {
+        int64_t a, b;
+        share_elems(total, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
+        int64_t base = 0;
+        for (int t = 0; t < n && base < b; base += sizes[t], t++) {
+            const int64_t lo = a > base ? a - base : 0;
+            const int64_t hi = b < base + sizes[t] ? b - base : sizes[t];
+            const float *x = ptrs[t];
+            for (int64_t k = lo; k < hi; k += 4096) {  /* float sums of 4096, then double */
+                const int64_t end = k + 4096 < hi ? k + 4096 : hi;
+                float s = 0.0f;
+#pragma omp simd reduction(+:s)
+                for (int64_t i = k; i < end; i++) s += x[i] * x[i];
+                sum += s;
+            }
+        }
+    }
+    return sum;
 }
