@@ -1,6 +1,7 @@
-"""Two passes over bf16 gradients in C (`engine/kernels/grad_ops.c`), with torch fallbacks:
-a transposing copy (`training/linear.py`'s weight gradients) and fp32 += bf16 (`training/
-precision.py`'s sums over micro-batches). Both give torch's numbers exactly (tests)."""
+"""Passes over the trainer's gradients in C (`engine/kernels/grad_ops.c`), with torch
+fallbacks: a transposing copy (`training/linear.py`'s weight gradients, and `t_matmul`, the
+log-prob head's), fp32 += bf16 (`training/precision.py`'s sums over micro-batches), both
+torch's numbers exactly, and the global gradient norm (to fp32 precision; tests)."""
 
 from __future__ import annotations
 
