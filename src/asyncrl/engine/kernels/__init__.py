@@ -1,8 +1,9 @@
 """Small C kernels, compiled with the system's C compiler at first use: the CPU decode path's
-(`decode.c`) and the trainer's log-prob head, RMSNorm, trie attention softmax and gradient
-passes (`logprob_head.c`, `rms_norm.c`, `masked_softmax.c`, `grad_ops.c`;
-`training/logprob_head.py`, `training/norm.py`, `training/attention.py`,
-`training/grad_ops.py`).
+(`decode.c`) and the trainer's log-prob head, RMSNorm, SwiGLU product, rotary embedding,
+trie attention softmax and moves, gradient passes and AdamW step (`logprob_head.c`,
+`rms_norm.c`, `swiglu.c`, `rope.c`, `masked_softmax.c`, `grad_ops.c`, `adamw.c`;
+`training/logprob_head.py`, `training/norm.py`, `training/mlp.py`, `training/rope.py`,
+`training/attention.py`, `training/grad_ops.py`, `training/optim.py`).
 
 Each kernel is a plain C file next to this module (with `common.h`, the helpers they
 share). `load()` compiles it once into the asyncrl cache and opens it with ctypes. The build

@@ -65,6 +65,16 @@ static inline __m512 bf16x16_to_f32(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+/* The first min(n, 16) of 16 lanes (a row's tail); 16 bf16 at p under them, 0 elsewhere,
+ * as float32. */
+static inline __mmask16 lanes(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
+static inline __m512 load16(__mmask16 t, const uint16_t *p) {
+    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, p));
+}
+
 static inline __m512 round_bf16_x16(__m512 v) {
     return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
 }

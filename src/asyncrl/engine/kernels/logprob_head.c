@@ -22,15 +22,6 @@
 #define BLOCK 256  /* the sums run per block of 256 values, then over blocks (accuracy) */
 
 #ifdef __AVX512BF16__
-/* The first min(n, 16) of 16 lanes; 16 bf16 at p under them (0 elsewhere) as float32. */
-static inline __mmask16 lanes(int n) {
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-}
-
-static inline __m512 load16(__mmask16 t, const uint16_t *p) {
-    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, p));
-}
-
 /* z = x / t; at t = 1 the division is the identity, and skipped. */
 static inline __m512 over_t(__m512 x, __m512 vt, int unit) {
     return unit ? x : _mm512_div_ps(x, vt);

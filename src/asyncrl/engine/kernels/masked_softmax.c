@@ -20,13 +20,6 @@
 #include <omp.h>
 #include "common.h"
 
-#ifdef __AVX512BF16__
-/* The first min(n, 16) of 16 lanes. */
-static inline __mmask16 lanes(int n) {
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-}
-#endif
-
 /* One row of the forward: p[0, L) from s and the mask row m, keys past `end` all hidden;
  * buf holds L + 16 floats. */
 static void softmax_row(const uint16_t *sr, const uint8_t *m, int end, int L, float scale,
@@ -41,7 +34,7 @@ static void softmax_row(const uint16_t *sr, const uint8_t *m, int end, int L, fl
         const __m128i mb = _mm_maskz_loadu_epi8(t, m + j);
         const __mmask16 allowed = _mm_test_epi8_mask(mb, mb);
         const __m512 x = _mm512_mask_mul_ps(ninf, allowed, vscale,
-                                            bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, sr + j)));
+                                            load16(t, sr + j));
         _mm512_storeu_ps(buf + j, x);
         vtop = _mm512_max_ps(vtop, x);
     }
@@ -92,15 +85,13 @@ static void softmax_grad_row(const uint16_t *pr, const uint16_t *gr, int L, floa
     __m512 vdot = _mm512_setzero_ps();
     for (int j = 0; j < L; j += 16) {
         const __mmask16 t = lanes(L - j);
-        vdot = _mm512_fmadd_ps(bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, pr + j)),
-                               bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, gr + j)), vdot);
+        vdot = _mm512_fmadd_ps(load16(t, pr + j), load16(t, gr + j), vdot);
     }
     const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(vdot));
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int j = 0; j < L; j += 16) {
         const __mmask16 t = lanes(L - j);
-        const __m512 pv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, pr + j));
-        const __m512 gv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, gr + j));
+        const __m512 pv = load16(t, pr + j), gv = load16(t, gr + j);
         _mm256_mask_storeu_epi16(out + j, t, (__m256i)_mm512_cvtneps_pbh(
             _mm512_mul_ps(_mm512_mul_ps(vscale, pv), _mm512_sub_ps(gv, dot))));
     }

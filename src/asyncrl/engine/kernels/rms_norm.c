@@ -12,17 +12,6 @@
 #include <omp.h>
 #include "common.h"
 
-#ifdef __AVX512BF16__
-/* The first min(n, 16) of 16 lanes; 16 bf16 from p under them (0 elsewhere), as float32. */
-static inline __mmask16 lanes(int n) {
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-}
-
-static inline __m512 load16(__mmask16 t, const uint16_t *p) {
-    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(t, p));
-}
-#endif
-
 /* One row of the forward; returns r. The AVX512-BF16 path takes the same float32 steps on
  * 16 lanes (sum of squares in another order; its rounding is the hardware's RNE). */
 static float norm_row(const uint16_t *xr, const uint16_t *w, int D, float eps, uint16_t *yr) {
