@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                                   # tiny random model
     python benchmarks/train_step.py --model smollm2-135m-instruct     # the quickstart's
     python benchmarks/train_step.py --model smollm2-135m-instruct --threads 1 2
+    python benchmarks/train_step.py --shape smollm2-1.7b:6 --all-on   # wider layers, random
 
 The step: the proximal log-probs recomputed (a forward without gradient; a run with one
 update per batch, as the quickstart, takes them from the training forward instead and skips
@@ -29,13 +30,21 @@ utilisation, and the page faults per step (thousands, "kfault"):
 where "tokens computed" are the batch's real tokens on the padded path and the trie's
 distinct nodes on the shared-prefix path (a shared prompt counted once). "step MFU" also
 counts the recompute forward (2 x params x tokens) over the whole step.
+
+`--shape NAME[:LAYERS]` runs the same batch through a random model of a larger published
+shape (SmolLM2-360M's or -1.7B's layers, 49k vocabulary; LAYERS of them, default all): how
+the utilisation grows with the layers' width on this machine, where the 135M model's hidden
+size of 576 keeps every product small. `--all-on` measures only the configuration with every
+lever on.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,6 +76,30 @@ from asyncrl.training.microbatch import to_device
 from asyncrl.training.prefix import pack_prefixes
 
 PHASES = ("collate", "recompute", "forward", "backward", "optimizer")
+# Steps run before the measured ones: the process's heap reaches its high-water mark over
+# the first two or three (page faults), more so for the larger shapes.
+WARM_UP = 3
+# Published layer shapes for `--shape` (head_dim 64, a 49,152-token vocabulary, tied).
+SHAPES = {
+    "smollm2-360m": {"hidden_size": 960, "intermediate_size": 2560, "num_layers": 32,
+                     "num_heads": 15, "num_kv_heads": 5},
+    "smollm2-1.7b": {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 24,
+                     "num_heads": 32, "num_kv_heads": 32},
+}
+
+
+def shaped_model(spec: str, folder: str) -> str:
+    """A random bf16 model of SHAPES[name] with `layers` layers, for spec "name[:layers]"."""
+    from asyncrl.models.tiny import make_tiny_model
+
+    name, _, layers = spec.partition(":")
+    if name not in SHAPES:
+        raise SystemExit(f"--shape {spec!r}: the name must be one of {sorted(SHAPES)}")
+    shape = dict(SHAPES[name])
+    if layers:
+        shape["num_layers"] = int(layers)
+    path = make_tiny_model(f"{folder}/{name}", head_dim=64, vocab_size=49152, **shape)
+    return path
 
 
 def matmul_peak(threads: int, dtype: torch.dtype = torch.bfloat16) -> float:
@@ -149,7 +182,8 @@ def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, ke
     engine.initialize()
     batch = quickstart_batch(args.groups, args.samples, args.prompt)
     real, nodes = computed_tokens(engine, batch)
-    one_step(engine, batch)  # warm-up
+    for _ in range(WARM_UP):
+        one_step(engine, batch)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     runs = [one_step(engine, batch) for _ in range(args.repeats)]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -163,16 +197,26 @@ def main() -> None:
     parser = batch_arguments(__doc__.split("\n")[0], dtype="bfloat16", max_tokens_per_mb=4096,
                              repeats=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--shape", help="a random model of this shape instead of --model: "
+                        f"NAME[:LAYERS], NAME one of {sorted(SHAPES)}")
+    parser.add_argument("--all-on", action="store_true",
+                        help="only the configuration with every lever on")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args, *json.loads(args.one))))
         return
 
-    if args.model is None:
+    folder = tempfile.mkdtemp(prefix="asyncrl-train-step-")
+    atexit.register(shutil.rmtree, folder, True)
+    if args.shape:
+        if args.model is not None:
+            raise SystemExit("--shape builds its own model: leave out --model")
+        args.model = shaped_model(args.shape, folder)
+    elif args.model is None:
         from asyncrl.models.tiny import make_tiny_model
 
-        args.model = make_tiny_model(tempfile.mkdtemp() + "/tiny")
+        args.model = make_tiny_model(folder + "/tiny")
     peaks = {t: matmul_peak(t) for t in args.threads}
     print(f"batch: {args.groups} groups x {args.samples} samples, prompt {args.prompt}, "
           f"answers 10-40; model {args.model}, {args.dtype}; each configuration in its "
@@ -192,6 +236,8 @@ def main() -> None:
     levers = [(False, *on[1:])] + [
         tuple(not v if i == lever else v for i, v in enumerate(on)) for lever in range(1, 7)
     ] + [on]
+    if args.all_on:
+        levers = [on]
     argv = ["--model", args.model, "--groups", str(args.groups), "--samples", str(args.samples),
             "--prompt", str(args.prompt), "--dtype", args.dtype, "--repeats", str(args.repeats),
             "--max-tokens-per-mb", str(args.max_tokens_per_mb)]
@@ -217,6 +263,8 @@ def main() -> None:
     print(f"tokens: real {r['real']}, trie nodes {r['nodes']} "
           f"({r['real'] / r['nodes']:.2f}x fewer shared); "
           f"non-embedding params {r['params'] / 1e6:.1f}M")
+    if len(levers) == 1:
+        return
     base = rows[(args.threads[0], *levers[0])]
     for (threads, shared, fsdp, kernels, keep, matmul_attention, sink, contiguous), step in (
             rows.items()):

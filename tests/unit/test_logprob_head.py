@@ -175,3 +175,75 @@ def test_the_scaled_template_is_rounded_once_as_autograd_rounds_it():
     expected = (template.float() * g[:, None]).to(torch.bfloat16)
     logprob_head._kernels().scale_rows_bf16(template.data_ptr(), 5, 300, g.data_ptr(), 2)
     assert torch.equal(template, expected)
+
+
+def run_backward(out: torch.Tensor, upstream: torch.Tensor, *leaves: torch.Tensor):
+    for leaf in leaves:
+        leaf.grad = None
+    (out * upstream).sum().backward()
+    return out.detach(), *(leaf.grad.clone() for leaf in leaves)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_a_freed_template_buffer_serves_the_next_call_and_no_two_at_once(monkeypatch,
+                                                                         use_kernels):
+    if use_kernels and logprob_head._kernels() is None:
+        pytest.skip("no C compiler: the torch path is used")
+    monkeypatch.setattr(logprob_head, "USE_KERNELS", use_kernels)
+    spare = logprob_head._Spare()
+    monkeypatch.setattr(logprob_head, "_spare", spare)
+    first = inputs(torch.bfloat16, seed=5)
+    second = inputs(torch.bfloat16, seed=6)
+
+    def call(args):
+        hidden, weight, tokens, _ = args
+        return token_logprobs(hidden, weight, tokens, 0.7)[0]
+
+    # Each call on its own, with a fresh buffer every time: the numbers to match.
+    monkeypatch.setattr(logprob_head, "KEEP_SPARE", False)
+    alone = [run_backward(call(a), a[3], a[0], a[1]) for a in (first, second)]
+    assert spare._buffer is None
+    monkeypatch.setattr(logprob_head, "KEEP_SPARE", True)
+    assert torch.equal(run_backward(call(first), first[3], first[0], first[1])[0], alone[0][0])
+    spare._buffer.fill_(7.0)  # stale values must not leak into a result
+    kept = spare._buffer.data_ptr()
+
+    # The next call takes the kept buffer and gives it back after its backward.
+    again = run_backward(call(first), first[3], first[0], first[1])
+    assert spare._buffer.data_ptr() == kept
+    # Two forwards before either backward (another model's head, a pipeline): the second
+    # cannot get the buffer the first still holds, or the first's gradient would be the
+    # second's. Both match their calls alone.
+    out_a, out_b = call(first), call(second)
+    assert spare._buffer is None
+    both = [run_backward(out_a, first[3], first[0], first[1]),
+            run_backward(out_b, second[3], second[0], second[1])]
+    for got, want in zip([again, *both], [alone[0], *alone]):
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+    assert spare._buffer.numel() == N * V  # one of the two kept, the other freed
+
+    # A call with more rows than the buffer holds gets a new one, and that one is kept.
+    hidden, weight, tokens, upstream = inputs(torch.bfloat16, seed=7)
+    more = torch.cat([hidden.detach(), hidden.detach()]).requires_grad_()
+    run_backward(token_logprobs(more, weight, torch.cat([tokens, tokens]))[0],
+                 torch.cat([upstream, upstream]), more, weight)
+    assert spare._buffer.numel() == 2 * N * V
+
+
+@needs_kernels
+def test_a_forward_without_gradient_computes_its_logits_in_the_kept_buffer(monkeypatch):
+    spare = logprob_head._Spare()
+    monkeypatch.setattr(logprob_head, "_spare", spare)
+    monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 4 * V)  # 3 chunks of 4 rows
+    hidden, weight, tokens, upstream = inputs(torch.bfloat16, seed=8)
+    run_backward(token_logprobs(hidden, weight, tokens)[0], upstream, hidden, weight)
+    kept = spare._buffer.data_ptr()
+    spare._buffer.fill_(-3.0)
+    with torch.no_grad():
+        ours = token_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
+        monkeypatch.setattr(logprob_head, "KEEP_SPARE", False)
+        fresh = token_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
+    assert spare._buffer.data_ptr() == kept
+    for a, b in zip(ours, fresh):
+        assert torch.equal(a, b)

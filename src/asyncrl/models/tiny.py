@@ -38,13 +38,20 @@ def make_tiny_tokenizer():
 def make_tiny_model(path: str | Path, *, arch: str = "llama", seed: int = 0,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
                     num_kv_heads: int = 1, head_dim: int = 32, intermediate_size: int = 128,
-                    tie_word_embeddings: bool = True, max_position_embeddings: int = 2048) -> str:
-    """Save a randomly initialised `arch` model (llama | qwen2 | qwen3) and tokenizer to `path`."""
+                    tie_word_embeddings: bool = True, max_position_embeddings: int = 2048,
+                    vocab_size: int | None = None) -> str:
+    """Save a randomly initialised `arch` model (llama | qwen2 | qwen3) and tokenizer to `path`.
+    `vocab_size`: the embedding's rows (default: the tokenizer's, rounded up to 64); a larger
+    one gives a real model's head cost to a benchmark that feeds token ids itself."""
     import torch
     import transformers
 
     tokenizer = make_tiny_tokenizer()
-    vocab_size = (len(tokenizer) + 63) // 64 * 64
+    if vocab_size is None:
+        vocab_size = (len(tokenizer) + 63) // 64 * 64
+    elif vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {len(tokenizer)} "
+                         "tokens")
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,

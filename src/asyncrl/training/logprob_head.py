@@ -11,7 +11,11 @@ backward, so memory stays bounded whatever the batch. The kept ones share one bu
 weight's gradient over them is one matmul (fp32 inside, rounded once) instead of a bf16 part
 per chunk summed in an fp32 copy of the whole vocabulary; where the weight is a compute copy
 with a gradient sink (the tied embedding, `training/precision.py`) that product goes straight
-into the fp32 master's gradient.
+into the fp32 master's gradient. On the CPU the buffer a backward is done with is kept for the
+next call (`_Spare`): at the quickstart's ~850 loss tokens it is ~84 MB, past glibc's mmap
+threshold (`training/heap.py`), so a fresh one was a fresh mapping every step, each of its
+20.4k pages a fault the kernel zeroes first (~20 ms of a step at two threads). A forward
+without gradient (a recompute) takes its chunks' logits from the same buffer.
 
 On the CPU with bf16 weights the per-row work after the projection runs in C
 (`engine/kernels/logprob_head.c`): the log-softmax, entropy and template in three passes
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -38,6 +43,8 @@ LOGIT_CHUNK_ELEMENTS = 2**25
 # Gradient templates kept from forward to backward, over all chunks of one call (256 MiB:
 # ~2.7k tokens at a 49k vocabulary in bf16); chunks past it recompute in backward.
 SAVED_TEMPLATE_BYTES = 2**28
+# A freed CPU buffer of templates kept for the next call (off: a fresh one per call; A/B).
+KEEP_SPARE = True
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
@@ -59,6 +66,38 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
     logprobs, entropy = _TokenLogprobs.apply(hidden, weight, tokens, temperature, with_entropy,
                                              needs_grad)
     return (logprobs, entropy) if with_entropy else (logprobs,)
+
+
+class _Spare:
+    """One freed CPU buffer of gradient templates, kept for the next call that fits in it."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._lock = threading.Lock()  # a critic or reference model may run in another thread
+
+    def take(self, rows: int, vocab: int, dtype: torch.dtype,
+             like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised [rows, vocab] buffer: the kept one where it is large enough."""
+        if KEEP_SPARE and like.device.type == "cpu" and rows:
+            with self._lock:
+                spare = self._buffer
+                if spare is not None and spare.dtype == dtype and spare.numel() >= rows * vocab:
+                    self._buffer = None
+                    return spare[:rows * vocab].view(rows, vocab)
+        return like.new_empty((rows, vocab), dtype=dtype)
+
+    def give(self, templates: torch.Tensor) -> None:
+        """Keep the storage under `templates` (no longer used) if it is the larger one."""
+        if not (KEEP_SPARE and templates.device.type == "cpu" and templates.numel()):
+            return
+        base = templates if templates._base is None else templates._base
+        flat = base.view(-1)
+        with self._lock:
+            if self._buffer is None or self._buffer.numel() < flat.numel():
+                self._buffer = flat
+
+
+_spare = _Spare()
 
 
 def chunk_rows(vocab: int) -> int:
@@ -86,15 +125,19 @@ def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def _chunk_forward_c(h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor,
                      temperature: float, with_entropy: bool, template: torch.Tensor | None
                      ) -> tuple[torch.Tensor, ...]:
-    """`_chunk_forward` in C: the bf16 logits become the template in place."""
-    logits = torch.mm(h, weight.t(), out=template) if template is not None else h @ weight.t()
-    rows, vocab = logits.shape
+    """`_chunk_forward` in C: the bf16 logits become the template in place. Without a
+    template the logits go to the spare buffer (a recompute's chunk: ~67 MB at 682 rows)."""
+    rows, vocab = h.shape[0], weight.shape[0]
+    logits = template if template is not None else _spare.take(rows, vocab, weight.dtype, h)
+    torch.mm(h, weight.t(), out=logits)
     tok = tok.to(torch.int64).contiguous()
     logprobs = torch.empty(rows, dtype=torch.float32)
     entropy = torch.empty(rows, dtype=torch.float32) if with_entropy else None
     _kernels().head_rows_bf16(logits.data_ptr(), rows, vocab, tok.data_ptr(), temperature,
                               logprobs.data_ptr(), entropy.data_ptr() if with_entropy else None,
                               int(template is not None), torch.get_num_threads())
+    if template is None:
+        _spare.give(logits)
     return logprobs, entropy
 
 
@@ -135,7 +178,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if needs_grad:
             per_row = weight.shape[0] * weight.element_size()
             kept = min(hidden.shape[0], SAVED_TEMPLATE_BYTES // per_row // rows * rows)
-        templates = hidden.new_empty((kept, weight.shape[0]), dtype=weight.dtype)
+        templates = _spare.take(kept, weight.shape[0], weight.dtype, hidden)
         out, ent = [], []
         for start in range(0, hidden.shape[0], rows):
             h, tok = hidden[start:start + rows], tokens[start:start + rows]
@@ -193,6 +236,7 @@ class _TokenLogprobs(torch.autograd.Function):
             else:
                 part = t_matmul(templates, hidden[:kept])
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
+        _spare.give(templates)  # nothing refers to it past this point
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
