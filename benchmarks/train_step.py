@@ -20,15 +20,17 @@ as bf16 matmuls around a C softmax or as SDPA's flash kernel, `training/attentio
 the tied embedding's gradient added into its fp32 master by the head and the lookup or
 through autograd, `training/precision.py`; and the linear layers' weight gradients from
 contiguous operands or autograd's,
-`training/linear.py`) it prints the median seconds of each phase, the trained tokens per
-second (every token of every trajectory, prompt included, per whole step), the model FLOP
-utilisation, and the page faults per step (thousands, "kfault"):
+`training/linear.py`) it prints the mean seconds of each phase over --repeats steps, each on
+a new batch of the same shape as in a run (after three warm-up steps), the trained tokens
+per second (every token of every trajectory, prompt included, per whole step), the model
+FLOP utilisation, and the page faults per step (thousands, "kfault"):
 
     MFU = 6 x non-embedding params x tokens computed / (fwd + bwd + optimiser seconds)
           / the measured bf16 matmul peak of the same number of threads
 
 where "tokens computed" are the batch's real tokens on the padded path and the trie's
-distinct nodes on the shared-prefix path (a shared prompt counted once). "step MFU" also
+distinct nodes on the shared-prefix path (a shared prompt counted once; the padding nodes
+that round their count up, `training/prefix.py`, not counted). "step MFU" also
 counts the recompute forward (2 x params x tokens) over the whole step.
 
 `--shape NAME[:LAYERS]` runs the same batch through a random model of a larger published
@@ -167,7 +169,7 @@ def computed_tokens(engine: FSDPTrainEngine, batch: TensorBatch) -> tuple[int, i
 def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, kernels: bool,
             keep: bool, matmul_attention: bool, sink: bool,
             contiguous: bool) -> dict[str, float]:
-    """One configuration's median phases, tokens and page faults per step, in this process."""
+    """One configuration's mean phases, tokens and page faults per step, in this process."""
     torch.set_num_threads(threads)
     engine_module.FSDP_ON_ONE_RANK = fsdp
     logprob_head.USE_KERNELS = norm.USE_KERNELS = mlp.USE_KERNELS = kernels
@@ -178,24 +180,30 @@ def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, ke
     linear.USE_CONTIGUOUS = contiguous
     spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                            mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
-    engine = FSDPTrainEngine(spec, total_steps=args.repeats + 1)
+    engine = FSDPTrainEngine(spec, total_steps=WARM_UP + args.repeats)
     engine.initialize()
-    batch = quickstart_batch(args.groups, args.samples, args.prompt)
-    real, nodes = computed_tokens(engine, batch)
-    for _ in range(WARM_UP):
+    # A new batch each step, as in a run: one batch repeated would hide what a run pays for
+    # each new size (oneDNN builds a matmul primitive per shape it has not seen).
+    batches = [quickstart_batch(args.groups, args.samples, args.prompt, seed=seed)
+               for seed in range(1, WARM_UP + args.repeats + 1)]
+    for batch in batches[:WARM_UP]:
         one_step(engine, batch)
+    measured = batches[WARM_UP:]
+    counts = [computed_tokens(engine, batch) for batch in measured]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    runs = [one_step(engine, batch) for _ in range(args.repeats)]
+    runs = [one_step(engine, batch) for batch in measured]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {**{p: statistics.median(r[p] for r in runs) for p in PHASES},
-            "step": statistics.median(sum(r.values()) for r in runs),
-            "params": non_embedding_params(engine), "real": real, "nodes": nodes,
+    return {**{p: statistics.mean(r[p] for r in runs) for p in PHASES},
+            "step": statistics.mean(sum(r.values()) for r in runs),
+            "params": non_embedding_params(engine),
+            "real": statistics.mean(real for real, _ in counts),
+            "nodes": statistics.mean(nodes for _, nodes in counts),
             "faults": faults / args.repeats}
 
 
 def main() -> None:
     parser = batch_arguments(__doc__.split("\n")[0], dtype="bfloat16", max_tokens_per_mb=4096,
-                             repeats=3)
+                             repeats=4)
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--shape", help="a random model of this shape instead of --model: "
                         f"NAME[:LAYERS], NAME one of {sorted(SHAPES)}")
@@ -260,7 +268,7 @@ def main() -> None:
                   + " ".join(f"{r[p]:9.3f}" for p in PHASES)
                   + f" | {r['step']:6.2f} {r['real'] / r['step']:6.0f} {mfu:5.1%} "
                   f"{step_mfu:7.1%} {r['faults'] / 1e3:6.0f}", flush=True)
-    print(f"tokens: real {r['real']}, trie nodes {r['nodes']} "
+    print(f"tokens per step (mean): real {r['real']:.0f}, trie nodes {r['nodes']:.0f} "
           f"({r['real'] / r['nodes']:.2f}x fewer shared); "
           f"non-embedding params {r['params'] / 1e6:.1f}M")
     if len(levers) == 1:

@@ -190,6 +190,7 @@ def test_a_freed_template_buffer_serves_the_next_call_and_no_two_at_once(monkeyp
     if use_kernels and logprob_head._kernels() is None:
         pytest.skip("no C compiler: the torch path is used")
     monkeypatch.setattr(logprob_head, "USE_KERNELS", use_kernels)
+    monkeypatch.setattr(logprob_head, "ROW_MULTIPLE", 1)  # buffers of exactly N rows
     spare = logprob_head._Spare()
     monkeypatch.setattr(logprob_head, "_spare", spare)
     first = inputs(torch.bfloat16, seed=5)
@@ -247,3 +248,28 @@ def test_a_forward_without_gradient_computes_its_logits_in_the_kept_buffer(monke
     assert spare._buffer.data_ptr() == kept
     for a, b in zip(ours, fresh):
         assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_rows_rounded_up_give_the_exact_counts_numbers(monkeypatch):
+    hidden, weight, tokens, upstream = inputs(torch.bfloat16, seed=9)
+    results, shapes = {}, []
+    real_mm = torch.mm
+
+    def mm(a, b, **kwargs):
+        shapes.append(a.shape[0])
+        return real_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    for multiple in (1, 8):
+        monkeypatch.setattr(logprob_head, "ROW_MULTIPLE", multiple)
+        shapes.clear()
+        out = grads(lambda h, w, t: token_logprobs(h, w, t, 0.7)[0], hidden, weight, tokens,
+                    upstream)
+        with torch.no_grad():
+            entropy = token_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)[1]
+        results[multiple] = (*out, entropy)
+        assert shapes[0] == (N if multiple == 1 else 16)  # the forward's product: 11 -> 16 rows
+    for padded, exact in zip(results[8], results[1]):
+        assert padded.shape == exact.shape  # the padding rows' results are dropped
+        torch.testing.assert_close(padded.float(), exact.float(), atol=1e-6, rtol=2**-8)

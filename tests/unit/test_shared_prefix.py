@@ -139,6 +139,66 @@ def test_short_common_prefixes_and_full_trees_start_new_trees():
     assert not split.attention_mask[1, 0, 12:, :12].any()
 
 
+def test_rounded_sizes_add_padding_nodes_that_see_only_themselves():
+    batch, exact = hand_pack()
+    _, pack = hand_pack(node_multiple=8, width_multiple=4)
+    # 19 real nodes run as 24, in a row widened from 19 to 20: the 5 padding nodes take its
+    # free slot and 4 of a row added for them.
+    assert (pack.n_nodes, pack.n_padding, len(pack.slots)) == (19, 5, 24)
+    assert pack.input_ids.shape == (2, 20)
+    assert pack.slots.tolist() == list(range(20)) + [20, 21, 22, 23]
+    padding = torch.tensor([19, 20, 21, 22, 23])
+    assert not pack.input_ids.flatten()[padding].any()
+    assert not pack.position_ids.flatten()[padding].any()
+    assert (pack.parent[padding] == -1).all()
+    mask = pack.attention_mask[:, 0].flatten(0, 1)  # [R * L, L], a row's slots as keys
+    for slot in padding.tolist():
+        assert mask[slot].nonzero().flatten().tolist() == [slot % 20]  # itself only
+    # The real nodes keep their tokens, depths, parents and masks, and no token maps to padding.
+    real = batch.attention_mask
+    assert torch.equal(pack.node_of, exact.node_of)
+    assert torch.equal(pack.input_ids[0, :19], exact.input_ids[0])
+    assert torch.equal(pack.attention_mask[0, 0, :19, :19], exact.attention_mask[0, 0])
+    assert not torch.isin(pack.node_of[real], padding).any()
+    # A multiple already met adds nothing.
+    _, same = hand_pack(node_multiple=19)
+    assert same.n_padding == 0 and same.input_ids.shape == exact.input_ids.shape
+    with pytest.raises(ValueError, match="node_multiple and width_multiple must be >= 1"):
+        hand_pack(node_multiple=0)
+
+
+def test_padding_nodes_change_no_log_prob_or_gradient(tiny_path, monkeypatch):
+    engine = make_engine(tiny_path)
+    batch = branching_batch(seed=3)
+    targets = engine_module.targets_loss(batch)
+    results = []
+    for multiples in ((1, 1), (32, 16)):
+        monkeypatch.setattr(engine_module, "SHAPE_MULTIPLES", multiples)
+        packs = []
+
+        def recorded(*args, packs=packs, **kwargs):
+            packs.append(pack_prefixes(*args, **kwargs))
+            return packs[-1]
+
+        monkeypatch.setattr(engine_module, "pack_prefixes", recorded)
+        engine.spec = dataclasses.replace(engine.spec, shared_prefix=True)
+        logprobs = engine._root_forward(engine.model, batch, targets)
+        (-(logprobs * batch.loss_mask).sum()).backward()
+        results.append((logprobs.detach(), {name: p.grad.clone()
+                                            for name, p in engine.model.named_parameters()}))
+        engine.optimizer.zero_grad(set_to_none=True)
+        (pack,) = packs
+        assert (pack.n_nodes + pack.n_padding) % multiples[0] == 0
+        assert pack.input_ids.shape[1] % multiples[1] == 0
+        assert (pack.n_padding > 0) == (multiples != (1, 1))
+    (exact, exact_grads), (padded, padded_grads) = results
+    torch.testing.assert_close(padded, exact, **LOGPROB_TOL)
+    for name, grad in exact_grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=0, msg=name,
+                                   atol=GRAD_TOL * float(grad.abs().max()))
+    engine.destroy()
+
+
 def test_hf_decoder_on_the_trie_gives_the_unpacked_hidden_states(tiny_path):
     from transformers import AutoModelForCausalLM
 

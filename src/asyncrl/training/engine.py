@@ -67,6 +67,11 @@ CLIP_IN_OPTIMIZER = True
 # The global gradient norm in one parallel pass in C (grad_ops.total_norm) where it applies
 # (plain fp32 CPU gradients); off: torch's get_total_norm, which rounds its sums otherwise.
 NORM_IN_C = True
+# On the CPU, the trie's node count and packed-row width rounded up to these multiples
+# (`training/prefix.py`): oneDNN builds a matmul primitive per shape it has not seen, ~3 ms
+# each, and every batch of a run has other sizes (~19 new shapes, 50-70 ms of each step);
+# rounded, a few sizes recur. (1, 1): the exact sizes (GPUs, whose kernels need no build).
+SHAPE_MULTIPLES = (32, 16)
 
 
 class TokenLogprobModel(nn.Module):
@@ -470,7 +475,9 @@ class FSDPTrainEngine:
                       **kwargs: Any) -> Any:
         """The root's forward on `mb`, through the rows' prefix trie if `spec.shared_prefix`."""
         if self.spec.shared_prefix:
-            pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu())
+            nodes, width = SHAPE_MULTIPLES if self.device.type == "cpu" else (1, 1)
+            pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu(),
+                                 node_multiple=nodes, width_multiple=width)
             kwargs["pack"] = pack.to(mb.input_ids.device)
         return model(mb.input_ids, mb.attention_mask, targets, **kwargs)
 

@@ -45,6 +45,11 @@ LOGIT_CHUNK_ELEMENTS = 2**25
 SAVED_TEMPLATE_BYTES = 2**28
 # A freed CPU buffer of templates kept for the next call (off: a fresh one per call; A/B).
 KEEP_SPARE = True
+# On the CPU in bf16, the rows rounded up to a multiple of this with zero rows whose results
+# are dropped (their gradient is zero): oneDNN builds a matmul primitive per shape it has
+# not seen (~3 ms each), and the loss-token count differs from step to step (4 new shapes,
+# 14-29 ms of a quickstart step); rounded, a few recur. 1: the exact count.
+ROW_MULTIPLE = 32
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
@@ -63,8 +68,15 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
                          f"[{int(tokens.min())}, {int(tokens.max())}]")
     # Inside the Function grad mode is off and `needs_input_grad` ignores no_grad: ask here.
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    rows = hidden.shape[0]
+    padding = -rows % ROW_MULTIPLE if _use_kernels(hidden, weight) else 0
+    if padding:
+        hidden = torch.cat([hidden, hidden.new_zeros(padding, hidden.shape[1])])
+        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
     logprobs, entropy = _TokenLogprobs.apply(hidden, weight, tokens, temperature, with_entropy,
                                              needs_grad)
+    if padding:
+        logprobs, entropy = logprobs[:rows], entropy[:rows] if with_entropy else entropy
     return (logprobs, entropy) if with_entropy else (logprobs,)
 
 

@@ -17,6 +17,13 @@ The decoder runs on the real nodes only, as one row [1, N] (`model_inputs`): its
 layers compute no padding. Only attention sees the packed rows: `training/attention.py`
 scatters queries, keys and values into them, applies the ancestor mask and gathers back.
 
+Shapes. `node_multiple` and `width_multiple` round the node count and the rows' width up,
+with padding nodes that see only themselves (token 0 at position 0, in free slots of the
+packed rows, which gain a row if they have too few): every batch of a run has other sizes,
+and oneDNN builds a matmul primitive for each shape it has not seen (~3 ms each on the CPU,
+~19 per step), while a few rounded sizes recur. The padding nodes carry no loss, so their
+gradient is zero and every real node's value the same.
+
 Why twice the longest row as the default capacity: the attention over a packed row is dense
 (the mask removes no work), so it costs capacity^2, within 4x of one padded row, while a
 group of short answers still shares its prompt; and trees are small enough to pack densely.
@@ -42,8 +49,9 @@ class PrefixPack:
     position_ids: torch.Tensor  # [R, L] long: each node's depth = its position in its rows
     node_of: torch.Tensor  # [B, T] long: the flat node (r * L + l) of each token, -1 on padding
     parent: torch.Tensor  # [R * L] long: each node's parent (flat), -1 for roots and padding
-    slots: torch.Tensor  # [N] long: the flat slot of each real node, ascending
-    n_nodes: int  # real nodes, padding excluded
+    slots: torch.Tensor  # [N + P] long: the flat slot of each node the decoder runs, ascending
+    n_nodes: int  # real nodes N, padding excluded
+    n_padding: int = 0  # padding nodes P the decoder runs as well (`node_multiple`)
 
     def to(self, device: torch.device) -> PrefixPack:
         """The same pack with every tensor on `device`."""
@@ -52,15 +60,16 @@ class PrefixPack:
             for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The HF decoder's keyword arguments for the packed forward: the real nodes as one
-        row [1, N]; the mask over the packed rows and `trie_slots` for the attention
+        """The HF decoder's keyword arguments for the packed forward: the nodes as one row
+        [1, N + P]; the mask over the packed rows and `trie_slots` for the attention
         (`training/attention.py`, which the model must use)."""
         return {"input_ids": self.input_ids.flatten()[self.slots][None],
                 "position_ids": self.position_ids.flatten()[self.slots][None],
                 "attention_mask": self.attention_mask, "trie_slots": self.slots}
 
     def to_slots(self, per_node: torch.Tensor) -> torch.Tensor:
-        """The decoder's output [1, N, ...] laid out per slot [R, L, ...], 0 on padding."""
+        """The decoder's output [1, N + P, ...] laid out per slot [R, L, ...], 0 on free
+        slots."""
         flat = per_node.new_zeros((self.input_ids.numel(), *per_node.shape[2:]))
         return flat.index_copy(0, self.slots, per_node[0]).unflatten(0, self.input_ids.shape)
 
@@ -77,18 +86,25 @@ class PrefixPack:
 
 
 def pack_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                  capacity: int | None = None,
-                  min_shared: int = MIN_SHARED_TOKENS) -> PrefixPack:
-    """The trie packing of right-padded rows (CPU tensors); capacity: twice the longest row."""
+                  capacity: int | None = None, min_shared: int = MIN_SHARED_TOKENS,
+                  node_multiple: int = 1, width_multiple: int = 1) -> PrefixPack:
+    """The trie packing of right-padded rows (CPU tensors); capacity: twice the longest row.
+    The nodes the decoder runs and the rows' width are rounded up to the multiples given."""
+    if node_multiple < 1 or width_multiple < 1:
+        raise ValueError(f"node_multiple and width_multiple must be >= 1, got {node_multiple} "
+                         f"and {width_multiple}")
     lengths = attention_mask.sum(-1).tolist()
     capacity = capacity or 2 * max(max(lengths), 1)
     if max(lengths) > capacity:
         raise ValueError(f"a row of {max(lengths)} tokens exceeds the capacity {capacity}")
     trees, sizes = _grow_trees(input_ids, lengths, capacity, min_shared)
     rows = _pack_trees(sizes, capacity)
-    width = max(sum(sizes[t] for t in row) for row in rows)
+    width = _round_up(max(sum(sizes[t] for t in row) for row in rows), width_multiple)
+    n_nodes = sum(sizes)
+    padding = _round_up(n_nodes, node_multiple) - n_nodes
+    n_rows = len(rows) + max(0, -(-(padding - (len(rows) * width - n_nodes)) // width))
     node_of = torch.full(input_ids.shape, -1, dtype=torch.long)
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself
+    mask = torch.eye(width, dtype=torch.bool).repeat(n_rows, 1, 1)  # padding sees itself
     causal = torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool).tril()
     for r, row in enumerate(rows):
         offset = 0
@@ -102,7 +118,11 @@ def pack_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                 local = node_of[b, :n] - r * width
                 mask[r, local[shared:, None], local[None, :]] = causal[shared:n, :n]
                 offset, previous = offset + new, b
-    return _finish(input_ids, attention_mask, node_of, mask, sum(sizes))
+    return _finish(input_ids, attention_mask, node_of, mask, n_nodes, padding)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _grow_trees(input_ids: torch.Tensor, lengths: list[int], capacity: int,
@@ -145,8 +165,9 @@ def _pack_trees(sizes: list[int], capacity: int) -> list[list[int]]:
 
 
 def _finish(input_ids: torch.Tensor, attention_mask: torch.Tensor, node_of: torch.Tensor,
-            mask: torch.Tensor, n_nodes: int) -> PrefixPack:
-    """Tokens, depths and parents of the nodes, from each row's token -> node map."""
+            mask: torch.Tensor, n_nodes: int, padding: int) -> PrefixPack:
+    """Tokens, depths and parents of the nodes, from each row's token -> node map; the
+    first `padding` free slots become padding nodes (token 0, depth 0, no parent)."""
     n_rows, width = mask.shape[0], mask.shape[-1]
     real = attention_mask.bool()
     nodes = node_of[real]
@@ -157,6 +178,11 @@ def _finish(input_ids: torch.Tensor, attention_mask: torch.Tensor, node_of: torc
     parent = torch.full((n_rows * width,), -1, dtype=torch.long)
     inner = real[:, 1:]  # a row's token t >= 1 is a child of its token t - 1
     parent[node_of[:, 1:][inner]] = node_of[:, :-1][inner]
+    slots = torch.unique(nodes)
+    if padding:
+        free = torch.ones(n_rows * width, dtype=torch.bool)
+        free[slots] = False
+        slots = torch.cat([slots, free.nonzero().flatten()[:padding]]).sort().values
     return PrefixPack(input_ids=tokens.view(n_rows, width), attention_mask=mask[:, None],
                       position_ids=depth.view(n_rows, width), node_of=node_of, parent=parent,
-                      slots=torch.unique(nodes), n_nodes=n_nodes)
+                      slots=slots, n_nodes=n_nodes, n_padding=padding)
