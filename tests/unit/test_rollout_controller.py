@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -36,15 +37,17 @@ class FakeEngine:
 class SleepyWorkflow:
     """Each episode sleeps a random time (so episodes finish out of order)."""
 
-    def __init__(self, group_size=2, seed=0, fail_ids=(), slow_ids=(), max_delay=0.02):
+    def __init__(self, group_size=2, seed=0, fail_ids=(), slow_ids=(), max_delay=0.02,
+                 min_delay=0.0):
         self.rng = random.Random(seed)
         self.group_size = group_size
         self.fail_ids = set(fail_ids)
         self.slow_ids = set(slow_ids)
-        self.max_delay = max_delay
+        self.max_delay, self.min_delay = max_delay, min_delay
 
     async def run(self, engine, item):
-        delay = 0.3 if item["n"] in self.slow_ids else self.rng.uniform(0, self.max_delay)
+        delay = (0.3 if item["n"] in self.slow_ids
+                 else self.rng.uniform(self.min_delay, self.max_delay))
         await asyncio.sleep(delay)
         if item["n"] in self.fail_ids:
             raise ValueError(f"reward crashed on {item['n']}")
@@ -56,11 +59,12 @@ class SleepyWorkflow:
         ]
 
 
-def make_controller(eta, B=4, workflow=None, max_concurrent=None, max_failed=16, seed=None):
+def make_controller(eta, B=4, workflow=None, max_concurrent=None, max_failed=16, seed=None,
+                    admission="bound"):
     return RolloutController(
         FakeEngine(), workflow or SleepyWorkflow(), ListStream(), consumer_batch_size=B,
         max_head_offpolicyness=eta, max_concurrent_rollouts=max_concurrent or B * (eta + 1),
-        max_failed_episodes=max_failed, seed=seed)
+        max_failed_episodes=max_failed, seed=seed, admission=admission)
 
 
 def state_after(ctrl, n_steps):
@@ -82,11 +86,13 @@ def run_steps(ctrl, n_steps, start=0):
     return batches
 
 
+@pytest.mark.parametrize("admission", ["bound", "demand"])
 @pytest.mark.parametrize("eta, slow_ids", [(0, {5}), (1, {5}), (3, {5}), (3, {1, 5, 6, 9, 14}),
                                            (2, {0, 1, 2, 3, 12})])
-def test_every_trajectory_in_every_batch_respects_the_staleness_bound(eta, slow_ids):
+def test_every_trajectory_in_every_batch_respects_the_staleness_bound(eta, slow_ids, admission):
     # Slow items are overtaken by later ones, yet each must be trained within eta versions.
-    ctrl = make_controller(eta, workflow=SleepyWorkflow(slow_ids=slow_ids, seed=eta))
+    ctrl = make_controller(eta, workflow=SleepyWorkflow(slow_ids=slow_ids, seed=eta),
+                           admission=admission)
     ctrl.start()
     try:
         batches = run_steps(ctrl, 8)
@@ -130,6 +136,100 @@ def test_the_bound_holds_when_the_servers_learn_each_version_late(eta, slow_ids)
             ctrl.next_batch(timeout=1, version=7)
     finally:
         ctrl.stop()
+
+
+def train_steps(ctrl, n_steps, step_s):
+    """As the trainer: take a batch, train `step_s` seconds, publish the next version."""
+    out = []
+    for step in range(n_steps):
+        batch, stats = ctrl.next_batch(timeout=30)
+        out.append((step, batch, stats))
+        time.sleep(step_s)
+        ctrl.set_version(step + 1)
+    return out
+
+
+@pytest.mark.parametrize("admission, stale_at_the_end", [("bound", 4), ("demand", 1)])
+def test_demand_admission_keeps_batches_fresh_when_generation_outruns_training(
+        admission, stale_at_the_end):
+    # Episodes take <= 5 ms, a step 100 ms. Under "bound" every episode eta allows starts at
+    # once, so from step 4 on each batch was started 4 versions before (the bound). Under
+    # "demand" the trainer never waits, so episodes start one version ahead: staleness 1.
+    ctrl = make_controller(4, workflow=SleepyWorkflow(max_delay=0.005), admission=admission)
+    ctrl.start()
+    try:
+        batches = train_steps(ctrl, 8, step_s=0.1)
+    finally:
+        ctrl.stop()
+    staleness = [stats["rollout/staleness_max"] for _, _, stats in batches]
+    assert staleness[4:] == [stale_at_the_end] * 4
+    assert max(staleness) == stale_at_the_end
+    ahead = [stats["rollout/ahead"] for _, _, stats in batches]
+    assert ahead == [4.0 if admission == "bound" else 1.0] * 8
+
+
+def test_demand_admission_goes_ahead_to_eta_when_the_trainer_waits_and_resumes_there():
+    # Episodes take 50-100 ms and the trainer none: it waits for its batches, so each wait
+    # lets episodes start one version further ahead (from 1), up to eta = 3, not past it.
+    eta = 3
+    workflow = SleepyWorkflow(min_delay=0.05, max_delay=0.1)
+    ctrl = make_controller(eta, workflow=workflow, admission="demand")
+    ctrl.start()
+    try:
+        batches = train_steps(ctrl, 8, step_s=0.0)
+        state = ctrl.state_dict()
+    finally:
+        ctrl.stop()
+    ahead = [stats["rollout/ahead"] for _, _, stats in batches]
+    assert ahead[0] == 1.0  # the first batch always waits: no change
+    assert (max(ahead), ahead[-1]) == (3.0, 3.0)
+    assert max(stats["rollout/staleness_max"] for _, _, stats in batches) <= eta
+    resumed = make_controller(eta, admission="demand")
+    resumed.load_state_dict(state)
+    assert resumed.staleness.ahead == 3
+
+
+def test_demand_admission_stays_one_version_ahead_where_cores_are_shared():
+    # The same waiting trainer, but its waits lend its cores to the servers (grow_ahead off).
+    ctrl = RolloutController(
+        FakeEngine(), SleepyWorkflow(min_delay=0.05, max_delay=0.1), ListStream(),
+        consumer_batch_size=4, max_head_offpolicyness=3, max_concurrent_rollouts=16,
+        admission="demand", grow_ahead=False)
+    ctrl.start()
+    try:
+        batches = train_steps(ctrl, 5, step_s=0.0)
+    finally:
+        ctrl.stop()
+    assert [stats["rollout/ahead"] for _, _, stats in batches] == [1.0] * 5
+    # after taking batch k at version k: accepted + running < (1 + k + 1) * B, of which
+    # (k + 1) * B are consumed, so at most one batch (B = 4) is in flight or finished
+    assert all(stats["rollout/running"] + stats["rollout/buffered"] <= 4
+               for _, _, stats in batches)
+    # (an episode may still finish after later ones and be trained one step later)
+    assert max(stats["rollout/staleness_max"] for _, _, stats in batches) <= 3
+
+
+@pytest.mark.parametrize("admission, first_wave", [("bound", 12), ("demand", 4)])
+def test_demand_admission_generates_the_first_batch_alone(admission, first_wave):
+    # Before the first batch is handed out "bound" starts (eta + 1) * B = 12 episodes and
+    # "demand" B = 4, so that batch does not share the servers with the next; after it,
+    # "demand" starts the next batch (one version ahead): 8 started in all.
+    ctrl = make_controller(2, workflow=SleepyWorkflow(min_delay=0.3, max_delay=0.3),
+                           admission=admission)
+    ctrl.start()
+    try:
+        time.sleep(0.1)
+        assert ctrl.staleness.running == first_wave
+        ctrl.next_batch(timeout=30)
+        time.sleep(0.1)
+        assert ctrl.stream.position == (12 if admission == "bound" else 8)
+    finally:
+        ctrl.stop()
+
+
+def test_an_unknown_admission_rule_is_refused():
+    with pytest.raises(ValueError, match="rollout.admission must be 'bound' or 'demand'"):
+        make_controller(1, admission="eager")
 
 
 def test_groups_stay_contiguous_in_a_batch():

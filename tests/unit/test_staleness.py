@@ -45,3 +45,32 @@ def test_resume_restores_counters_and_requeues_running():
     assert (restored.accepted, restored.running, restored.rejected) == (7, 0, 2)
     # (1+1+1)*4 - 7 = 5: the 3 in-flight items are re-submitted within this capacity
     assert restored.capacity(1) == 5
+
+
+@pytest.mark.parametrize(
+    "eta, ahead, version, accepted, expected",
+    [
+        (4, None, 2, 8, 20),  # (4+2+1)*4 - 8: the bound itself
+        (4, 1, 2, 8, 8),  # (1+2+1)*4 - 8: one version ahead only
+        (4, 3, 2, 8, 16),  # (3+2+1)*4 - 8
+        (2, 5, 2, 8, 12),  # ahead past eta: eta, (2+2+1)*4 - 8
+        (4, 1, 2, 16, 0),  # two batches ahead already: none
+    ],
+)
+def test_demand_admission_applies_ahead_within_eta(eta, ahead, version, accepted, expected):
+    m = StalenessManager(4, eta, 100, accepted=accepted, ahead=ahead)
+    assert m.capacity(version) == expected
+
+
+def test_resume_restores_ahead_of_the_demand_rule_only():
+    m = StalenessManager(4, 3, 100, accepted=7, ahead=3)
+    demand, bound = StalenessManager(4, 3, 100, ahead=1), StalenessManager(4, 3, 100)
+    demand.load_state_dict(m.state_dict())
+    bound.load_state_dict(m.state_dict())
+    assert (demand.ahead, bound.ahead) == (3, None)
+    smaller = StalenessManager(4, 2, 100, ahead=1)  # resumed with a smaller eta: capped
+    smaller.load_state_dict(m.state_dict())
+    assert smaller.ahead == 2
+    older = StalenessManager(4, 3, 100, ahead=1)  # a checkpoint from before the rule
+    older.load_state_dict({"accepted": 7, "rejected": 0})
+    assert older.ahead == 1

@@ -135,6 +135,12 @@ class RolloutConfig:
     # eta: an episode may start only while accepted + running < (eta + version + 1) * B,
     # where B = consumer_batch_size. 0 is synchronous RL.
     max_head_offpolicyness: int = 0
+    # How far ahead of training episodes start. "demand": only as far as the trainer needs
+    # not to wait for its batches (one version ahead, one more each time it waited, one less
+    # when a whole batch was left over; never past eta; `rollout/ahead` in the stats), so a
+    # run whose generation outruns its training trains on fresher samples. "bound": as far
+    # as eta allows (AReaL's rule). The same with eta=0.
+    admission: Literal["demand", "bound"] = "demand"
     # Episodes (prompts; each yields gconfig.n_samples trajectories) per training step.
     consumer_batch_size: int = 8
     # Episodes in flight at most. None: consumer_batch_size * (max_head_offpolicyness + 1).
@@ -183,6 +189,8 @@ class RolloutConfig:
                f"{self.max_session_version_lag}")
         _check(self.max_head_offpolicyness >= 0,
                f"rollout.max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}")
+        _check(self.admission in ("demand", "bound"),
+               f"rollout.admission must be 'demand' or 'bound', got {self.admission!r}")
         _check(self.consumer_batch_size >= 1,
                f"rollout.consumer_batch_size must be >= 1, got {self.consumer_batch_size}")
         _check(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,

@@ -12,6 +12,20 @@ most (j - k) * B left episodes due by j. Later deadlines are met by construction
 admission rule of DESIGN.md §5 allows at most (j + 1) * B episodes due by j, ever. Otherwise
 it waits for the stragglers. So every trajectory of every batch has k - start_version <= eta.
 
+How far ahead (`admission`). "bound" (AReaL's rule) starts episodes as far ahead as eta
+allows. Where generation outruns training (a small model, or cores the two share), that
+keeps every batch eta versions old for no gain in throughput: the trainer never waits
+either way, and on shared cores the extra episodes in flight take cores from it. "demand"
+applies the admission rule with `ahead` <= eta versions (`StalenessManager.ahead`: 0 until
+the first batch is handed out, so that batch is generated alone and arrives sooner, then 1)
+and moves it by what the trainer saw: one version further if it waited for a batch longer
+than WAIT_FRACTION of its step since the last batch, one less if a whole batch was left
+over when it took one. Generation-bound runs climb to eta, as under "bound"; training-bound
+runs stay near 1. Where trainer and servers share cores (`grow_ahead=False`) a trainer that
+waits idles no core (the servers take its cores) and more episodes in flight would only
+take cores from it, so `ahead` stays 1. The deadline rule above keeps eta, so the bound
+holds whatever `ahead` is.
+
 Dynamic sampling (`should_accept`): an episode the filter drops is handled like one the
 workflow rejects: it leaves `running` without becoming `accepted`, which frees its slot for
 a new episode (started at the then current version, so with a later deadline). Neither the
@@ -39,6 +53,9 @@ from asyncrl.rollout.staleness import StalenessManager
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# admission="demand": the trainer waiting longer than this fraction of its step (since the
+# previous batch) for a batch lets episodes start one version further ahead, up to eta.
+WAIT_FRACTION = 0.05
 # Warn after this many batches' worth of groups were dropped in a row (and again each time).
 DROP_WARN_GROUPS_PER_BATCH = 10
 
@@ -72,7 +89,8 @@ class RolloutController:
                  consumer_batch_size: int, max_head_offpolicyness: int,
                  max_concurrent_rollouts: int, max_failed_episodes: int = 16,
                  episode_retries: int = 0, seed: int | None = None,
-                 should_accept: Callable[[list[Trajectory]], bool] | None = None) -> None:
+                 should_accept: Callable[[list[Trajectory]], bool] | None = None,
+                 admission: str = "bound", grow_ahead: bool = True) -> None:
         self.engine = engine
         self.workflow = workflow
         # An ItemStream: next(), state_dict(), load_state_dict(). None: episodes start only
@@ -89,8 +107,17 @@ class RolloutController:
         # its draw number (`_drawn`), under SAMPLING_SEED_KEY (rollout.seeded_sampling).
         self.seed = seed
         self._drawn = 0
+        if admission not in ("bound", "demand"):
+            raise ValueError(f"rollout.admission must be 'bound' or 'demand', got {admission!r}")
+        self.admission = admission
+        self.grow_ahead = grow_ahead  # False: "demand" stays one version ahead
         self.staleness = StalenessManager(consumer_batch_size, max_head_offpolicyness,
                                           max_concurrent_rollouts)
+        if admission == "demand" and max_head_offpolicyness >= 1:
+            # The first batch alone (sooner than beside a second); the next from its handout.
+            self.staleness.ahead = 0
+        self._asked: tuple[int, float] | None = None  # (version, when) of an unserved ask
+        self._served_at: float | None = None  # when the last batch was handed out
         self._cond = threading.Condition()  # guards everything below
         self._version = 0
         self._buffer: list[Episode] = []
@@ -176,12 +203,15 @@ class RolloutController:
         `version` defaults to the servers' (`set_version`); a trainer whose servers are still
         loading its newest weights passes its own (k above), which is ahead of theirs.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
         with self._cond:
             k = self._version if version is None else version
             if k < self._version:
                 raise ValueError(f"next_batch(version={version}): the servers hold version "
                                  f"{self._version} already")
+            if self._asked is None or self._asked[0] != k:  # a timed-out ask is the same wait
+                self._asked = (k, now)
             while not self._batch_ready(k):
                 self._raise_if_broken()
                 if deadline is not None and time.monotonic() > deadline:
@@ -191,6 +221,9 @@ class RolloutController:
             episodes, self._buffer = self._buffer[: self.batch_size], self._buffer[self.batch_size:]
             stats = self._batch_stats(episodes, k)
             self._dropped_since_batch = 0
+            self._adapt_ahead(self._asked[1])
+            self._asked = None
+            stats["rollout/ahead"] = float(self.staleness.admitted_offpolicyness)
         self._poke()
         return Batch([t for e in episodes for t in e.trajectories]), stats
 
@@ -205,6 +238,24 @@ class RolloutController:
         # left[i] is the (i+1)-th earliest start; its deadline is left[i] + eta.
         return all(i + 1 <= (start + self.eta - k) * B for i, start in enumerate(left)
                    if start + self.eta < k + self.eta)
+
+    def _adapt_ahead(self, asked_at: float) -> None:
+        """admission="demand": one version further ahead if the trainer waited for this batch
+        (more than WAIT_FRACTION of its step since the last one), one less if a whole batch
+        is left over. At the first batch (after a start or resume), which always waits: 1."""
+        now = time.monotonic()
+        previous, self._served_at = self._served_at, now
+        ahead = self.staleness.ahead
+        if ahead is None:
+            return
+        if previous is None:  # the first batch of a start or resume: at least one ahead
+            self.staleness.ahead = max(1, ahead)
+            return
+        if now - asked_at > WAIT_FRACTION * max(asked_at - previous, 0.0):
+            if self.grow_ahead:
+                self.staleness.ahead = min(self.eta, ahead + 1)
+        elif len(self._buffer) >= self.batch_size:
+            self.staleness.ahead = max(1, ahead - 1)
 
     def _raise_if_broken(self) -> None:
         if self._crash is not None:

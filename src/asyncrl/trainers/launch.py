@@ -58,6 +58,8 @@ class Services:
     weight_update: WeightUpdateClient | None = None  # None: the controller publishes
     # Waits until the inference servers are healthy (launch may return before they are).
     ready: Callable[[], None] = _ready
+    # Trainer and servers lend each other this machine's cores (scheduler.share_cores).
+    cores_shared: bool = False
 
 
 # The router, weight-update and agent services are light (HTTP, tokenising): they reserve no
@@ -219,7 +221,8 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
             logger.info("trainer: inline, %d thread(s)%s", threads,
                         f", sharing cores {shared} on demand" if shared else "")
         ready = (lambda: scheduler.wait_workers(servers.role)) if defer else _ready
-        return Services(addresses, None, inference_key, agent, router, ready=ready)
+        return Services(addresses, None, inference_key, agent, router, ready=ready,
+                        cores_shared=shared is not None)
     key = secrets.token_hex(16)
     spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)
     if local:

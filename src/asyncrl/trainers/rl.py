@@ -57,7 +57,8 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         trainer = RLTrainer(cfg, paths, services.inference, services.trainer,
                             scheduler=scheduler, inference_key=services.inference_key,
                             agent_service=services.agent, router=services.router,
-                            weight_update=services.weight_update)
+                            weight_update=services.weight_update,
+                            cores_shared=services.cores_shared)
         services.ready()  # the local servers started while the trainer loaded
         trainer.summary["services"] = [
             {"role": w.role, "index": w.index, "address": w.address, "node_id": w.node_id}
@@ -85,7 +86,8 @@ class RLTrainer:
                  trainer: Trainer | None = None, scheduler: Scheduler | None = None,
                  inference_key: str | None = None,
                  agent_service: AgentClient | None = None, router: str | None = None,
-                 weight_update: WeightUpdateClient | None = None) -> None:
+                 weight_update: WeightUpdateClient | None = None,
+                 cores_shared: bool = False) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.paths = cfg, paths
@@ -135,7 +137,11 @@ class RLTrainer:
             episode_retries=cfg.rollout.episode_retries,
             seed=cfg.seed if cfg.rollout.seeded_sampling else None,
             should_accept=make_episode_filter(cfg.rollout.dynamic_sampling,
-                                              cfg.rollout.dynamic_filter_fn))
+                                              cfg.rollout.dynamic_filter_fn),
+            admission=cfg.rollout.admission,
+            # On shared cores a trainer's wait is no idle time (the servers take its cores),
+            # and more episodes in flight only take cores from it: one version ahead.
+            grow_ahead=not cores_shared)
         if self.agents is not None:
             self.agents.attach(self.rollout)
         self.valid_items = (held_out(load_dataset(cfg.valid_dataset), train_items)
