@@ -136,10 +136,11 @@ class RolloutConfig:
     # where B = consumer_batch_size. 0 is synchronous RL.
     max_head_offpolicyness: int = 0
     # How far ahead of training episodes start. "demand": only as far as the trainer needs
-    # not to wait for its batches (one version ahead, one more each time it waited, one less
-    # when a whole batch was left over; never past eta; `rollout/ahead` in the stats), so a
-    # run whose generation outruns its training trains on fresher samples. "bound": as far
-    # as eta allows (AReaL's rule). The same with eta=0.
+    # not to wait for its batches (the first batch alone, then one version ahead, one more
+    # each time it waited, one less when a whole batch was left over; never past eta; on
+    # cores shared with the servers, one; `rollout/ahead` in the stats), so a run whose
+    # generation outruns its training trains on fresher samples. "bound": as far as eta
+    # allows (AReaL's rule). The same with eta=0.
     admission: Literal["demand", "bound"] = "demand"
     # Episodes (prompts; each yields gconfig.n_samples trajectories) per training step.
     consumer_batch_size: int = 8
