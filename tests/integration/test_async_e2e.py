@@ -76,7 +76,22 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):
     # the second run starts at step 3: steps 1-2 come from the first run, appended to
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["rollout/staleness_max"] <= 2
+    # rollout.admission=demand on cores shared with the server: one version ahead, before
+    # and after the resume (`ahead` is checkpointed), never eta=2
+    assert [r["rollout/ahead"] for r in rows] == [1.0, 1.0, 1.0]
     assert os.path.isdir(Path(summary["run_dir"]) / "recover")
+
+
+def test_demand_admission_stays_one_version_ahead_on_shared_cores(tmp_path, tiny_model):
+    # Scoring takes 0.5 s, so the trainer waits for every batch. Off shared cores each wait
+    # would take episodes one version further ahead (2 at step 2); on them (the default
+    # scheduler here) a wait lends the server the trainer's core, and `ahead` stays 1.
+    summary = train(_config(tmp_path, tiny_model, eta=2, steps=3, extra=[
+        "workflow.reward_fn=toy_rewards:slow", "evaluator.before_training=false",
+        "evaluator.after_training=false"]))
+    rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]
+    assert [r["rollout/ahead"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["perf/wait_batch_s"] > 0.05 for r in rows)  # it did wait, every step
 
 
 @pytest.mark.slow  # ~30 s; CI covers retries in test_rollout_controller, timeouts in test_rewards

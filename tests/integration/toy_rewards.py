@@ -37,3 +37,11 @@ def hangs_once(completion: str, item: dict) -> float:
             return text_hash(completion, item)
         time.sleep(3600)
     return text_hash(completion, item)
+
+
+def slow(completion: str, item: dict) -> float:
+    """`text_hash` after 0.5 s: generation slower than a tiny model's training step."""
+    import time
+
+    time.sleep(0.5)
+    return text_hash(completion, item)

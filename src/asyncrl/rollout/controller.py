@@ -109,7 +109,6 @@ class RolloutController:
         self._drawn = 0
         if admission not in ("bound", "demand"):
             raise ValueError(f"rollout.admission must be 'bound' or 'demand', got {admission!r}")
-        self.admission = admission
         self.grow_ahead = grow_ahead  # False: "demand" stays one version ahead
         self.staleness = StalenessManager(consumer_batch_size, max_head_offpolicyness,
                                           max_concurrent_rollouts)
