@@ -33,6 +33,13 @@ distinct nodes on the shared-prefix path (a shared prompt counted once; the padd
 that round their count up, `training/prefix.py`, not counted). "step MFU" also
 counts the recompute forward (2 x params x tokens) over the whole step.
 
+A second table splits forward + backward + optimiser: the matrix products (every mm and bmm
+the forwards and backwards run, recorded below autograd in steps of their own), timed inside
+the step and each run on its own at its recorded shapes and strides; the optimiser; the
+rest (norms, softmaxes, SwiGLU, rotary embedding, moves, residual sums, gradient sums).
+Its "bound" is the MFU were every product as fast as alone and the rest free: how far the
+step can go on this machine with these products, whatever else is done to it.
+
 `--shape NAME[:LAYERS]` runs the same batch through a random model of a larger published
 shape (SmolLM2-360M's or -1.7B's layers, 49k vocabulary; LAYERS of them, default all): how
 the utilisation grows with the layers' width on this machine, where the 135M model's hidden
@@ -44,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
+import contextlib
 import json
 import resource
 import shutil
@@ -55,6 +64,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_prefix import batch_arguments, quickstart_batch
@@ -118,14 +128,25 @@ def matmul_peak(threads: int, dtype: torch.dtype = torch.bfloat16) -> float:
     return best
 
 
+def label(config: list) -> str:
+    """A configuration's levers in a few words, for the second table."""
+    shared, fsdp, kernels, keep, matmul_attention, sink, contiguous = config
+    return " ".join([
+        "shared" if shared else "padded", "fsdp" if fsdp else "copies", "C" if kernels else "torch",
+        "kept" if keep else "glibc", "matmul" if matmul_attention and shared else "flash",
+        "sink" if sink and not fsdp else "nosink", "contig" if contiguous else "auto"])
+
+
 def non_embedding_params(engine: FSDPTrainEngine) -> int:
     hf = engine.model.hf
     embed = {id(hf.get_input_embeddings().weight), id(hf.get_output_embeddings().weight)}
     return sum(p.numel() for p in hf.parameters() if id(p) not in embed)
 
 
-def one_step(engine: FSDPTrainEngine, batch: TensorBatch) -> dict[str, float]:
-    """Seconds per phase of one step, the way `train_batch` runs it."""
+def one_step(engine: FSDPTrainEngine, batch: TensorBatch,
+             record: contextlib.AbstractContextManager | None = None) -> dict[str, float]:
+    """Seconds per phase of one step, the way `train_batch` runs it; `record` is entered
+    around the forwards and backwards (not the recompute, not the optimiser)."""
     model = engine.model
     times = dict.fromkeys(PHASES, 0.0)
     tick = time.perf_counter()
@@ -140,7 +161,8 @@ def one_step(engine: FSDPTrainEngine, batch: TensorBatch) -> dict[str, float]:
     lap("recompute")
     model.train()
     n_tokens = int((batch.loss_mask > 0).sum())
-    with engine._computing():  # on one rank: the bf16 copies' refresh, counted as collate
+    with engine._computing(), record or contextlib.nullcontext():  # on one rank: the bf16
+        # copies' refresh, counted as collate
         for rows, _ in engine._my_micro_batches(batch):
             mb = to_device(batch.select(rows), engine.device)
             lap("collate")
@@ -154,6 +176,64 @@ def one_step(engine: FSDPTrainEngine, batch: TensorBatch) -> dict[str, float]:
     engine.optimizer.zero_grad(set_to_none=True)
     lap("optimizer")
     return times
+
+
+MATMULS = {torch.ops.aten.mm.default: "mm", torch.ops.aten.mm.out: "mm",
+            torch.ops.aten.bmm.default: "bmm", torch.ops.aten.bmm.out: "bmm",
+            torch.ops.aten.addmm.default: "mm", torch.ops.aten.addmm.out: "mm"}
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records every matrix product a step runs (below autograd, so backward's too): its op
+    and each tensor operand's shape, strides and dtype, counted per distinct signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+        self.seconds = 0.0  # their time inside the step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in MATMULS:
+            operands = tuple(("T", tuple(a.shape), a.stride(), a.dtype)
+                             if isinstance(a, torch.Tensor) else ("V", a) for a in args)
+            out = kwargs.get("out")
+            if out is not None:
+                out = (tuple(out.shape), out.stride(), out.dtype)
+            self.calls[(func, operands, out)] += 1
+            start = time.perf_counter()
+            result = func(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            return result
+        return func(*args, **kwargs)
+
+
+def matmul_flops(func: torch._ops.OpOverload, operands: tuple) -> int:
+    """2 x M x N x K (x batch) of a recorded product."""
+    shapes = [o[1] for o in operands if o[0] == "T"]
+    a, b = shapes[-2], shapes[-1]  # addmm: (bias, a, b)
+    if MATMULS[func] == "bmm":
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[0] * a[1] * b[1]
+
+
+def alone_seconds(signature: tuple, repeats: int = 5) -> float:
+    """Median seconds of one recorded product run on its own: fresh operands of the same
+    shapes, strides and dtype, warm caches (so no slower than inside the step)."""
+    func, operands, out = signature
+
+    def fresh(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=dtype).normal_()
+
+    args = [fresh(*o[1:]) if o[0] == "T" else o[1] for o in operands]
+    kwargs = {"out": fresh(*out)} if out is not None else {}
+    times = []
+    for i in range(2 + repeats):
+        start = time.perf_counter()
+        func(*args, **kwargs)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def computed_tokens(engine: FSDPTrainEngine, batch: TensorBatch) -> tuple[int, int]:
@@ -193,12 +273,22 @@ def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, ke
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     runs = [one_step(engine, batch) for batch in measured]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    # The products these steps ran (forward and backward), each timed on its own.
+    recorder = MatmulRecorder()
+    for batch in measured:
+        one_step(engine, batch, record=recorder)
+    alone = {sig: alone_seconds(sig) for sig in recorder.calls}
+    steps = len(measured)
     return {**{p: statistics.mean(r[p] for r in runs) for p in PHASES},
             "step": statistics.mean(sum(r.values()) for r in runs),
             "params": non_embedding_params(engine),
             "real": statistics.mean(real for real, _ in counts),
             "nodes": statistics.mean(nodes for _, nodes in counts),
-            "faults": faults / args.repeats}
+            "faults": faults / args.repeats,
+            "mm_in_step": recorder.seconds / steps,
+            "mm_alone": sum(alone[sig] * n for sig, n in recorder.calls.items()) / steps,
+            "mm_flops": sum(matmul_flops(sig[0], sig[1]) * n
+                            for sig, n in recorder.calls.items()) / steps}
 
 
 def main() -> None:
@@ -237,7 +327,7 @@ def main() -> None:
               + f" | {'step s':>6} {'tok/s':>6} {'MFU':>5} {'stepMFU':>7} {'kfault':>6}")
     print(header)
     print("-" * len(header))
-    rows = {}
+    rows, details = {}, {}
     # (shared prefix, FSDP2 on the one rank, C kernels, freed memory kept, matmul attention,
     # gradient sink, contiguous weight gradients): the later levers one at a time.
     on = (True, False, True, True, True, True, True)
@@ -260,6 +350,7 @@ def main() -> None:
             mfu = 6 * r["params"] * computed / train / peaks[threads]
             step_mfu = 8 * r["params"] * computed / r["step"] / peaks[threads]
             rows[tuple(config)] = r["step"]
+            details[tuple(config)] = r
             print(f"{threads:>7} {'on' if shared else 'off':>6} {'fsdp' if fsdp else 'copies':>6} "
                   f"{'C' if kernels else 'torch':>5} {'kept' if keep else 'glibc':>5} "
                   f"{'matmul' if matmul_attention and shared else 'flash':>6} "
@@ -271,6 +362,22 @@ def main() -> None:
     print(f"tokens per step (mean): real {r['real']:.0f}, trie nodes {r['nodes']:.0f} "
           f"({r['real'] / r['nodes']:.2f}x fewer shared); "
           f"non-embedding params {r['params'] / 1e6:.1f}M")
+    print("\nwhere forward + backward + optimiser go (s): the step's matrix products as timed "
+          "inside it (a step of its own) and each run alone (their recorded shapes and strides), "
+          "the optimiser, the rest; the MFU bound is the MFU were the products as fast as alone "
+          "and the rest took no time")
+    print(f"{'threads':>7} {'config':>44} | {'train':>6} {'in step':>7} {'alone':>6} {'GF/s':>5} "
+          f"{'%peak':>5} {'optim':>6} {'rest':>6} | {'MFU':>5} {'bound':>5}")
+    for (threads, *config), r in details.items():
+        computed = r["nodes"] if config[0] else r["real"]
+        train = r["collate"] + r["forward"] + r["backward"] + r["optimizer"]
+        rate = r["mm_flops"] / r["mm_alone"]
+        counted = 6 * r["params"] * computed / peaks[threads]
+        print(f"{threads:>7} {label(config):>44} | {train:6.3f} {r['mm_in_step']:7.3f} "
+              f"{r['mm_alone']:6.3f} {rate / 1e9:5.0f} {rate / peaks[threads]:5.0%} "
+              f"{r['optimizer']:6.3f} {train - r['mm_in_step'] - r['optimizer']:6.3f} | "
+              f"{counted / train:5.1%} "
+              f"{counted / (r['mm_alone'] + r['optimizer']):5.1%}")
     if len(levers) == 1:
         return
     base = rows[(args.threads[0], *levers[0])]
