@@ -161,8 +161,8 @@ def one_step(engine: FSDPTrainEngine, batch: TensorBatch,
     lap("recompute")
     model.train()
     n_tokens = int((batch.loss_mask > 0).sum())
-    with engine._computing(), record or contextlib.nullcontext():  # on one rank: the bf16
-        # copies' refresh, counted as collate
+    # on one rank, entering `_computing` refreshes the bf16 copies: counted as collate
+    with engine._computing(), record or contextlib.nullcontext():
         for rows, _ in engine._my_micro_batches(batch):
             mb = to_device(batch.select(rows), engine.device)
             lap("collate")
@@ -223,7 +223,10 @@ def alone_seconds(signature: tuple, repeats: int = 5) -> float:
     func, operands, out = signature
 
     def fresh(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty_strided(shape, stride, dtype=dtype).normal_()
+        # random storage of the span the strides reach, viewed as recorded (an expanded
+        # gradient's zero strides included)
+        span = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        return torch.randn(span, dtype=dtype).as_strided(shape, stride)
 
     args = [fresh(*o[1:]) if o[0] == "T" else o[1] for o in operands]
     kwargs = {"out": fresh(*out)} if out is not None else {}
