@@ -103,7 +103,7 @@ class _Spare:
                 if spare is not None and spare.dtype == dtype and spare.numel() >= need:
                     self._buffer = None
                     return spare[:need].view(rows, vocab)
-            reserve = SAVED_TEMPLATE_BYTES // torch.empty((), dtype=dtype).element_size()
+            reserve = SAVED_TEMPLATE_BYTES // dtype.itemsize
             return like.new_empty(max(need, reserve), dtype=dtype)[:need].view(rows, vocab)
         return like.new_empty((rows, vocab), dtype=dtype)
 
