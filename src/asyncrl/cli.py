@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 from importlib import resources
@@ -125,24 +126,45 @@ def _serve_backend(args: argparse.Namespace) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    with tempfile.TemporaryDirectory(prefix="asyncrl-serve-") as logs, \
-            LocalScheduler(sched_cfg, logs) as scheduler:
+    logs = tempfile.mkdtemp(prefix="asyncrl-serve-")  # kept if the server dies: its log
+    with LocalScheduler(sched_cfg, logs) as scheduler:
         [url] = scheduler.launch_inference_servers(path, engine_cfg, n_servers=1, seed=0,
                                                    backend=args.backend, device=device)
         print(f"asyncrl: {args.backend} server ready at {url} (private)", flush=True)
         if args.admin_key:
             from asyncrl.services import agent_proxy
 
-            asyncio.run(agent_proxy.serve(
+            serving = agent_proxy.serve(
                 args.backend, url, tokenizer=path, model_name=args.model, host=args.host,
                 port=args.port, admin_key=args.admin_key, export_dir=args.export_dir,
                 session_timeout=args.session_timeout, max_model_len=args.max_seq_len,
-                tool_parser=args.tool_parser))
+                tool_parser=args.tool_parser)
         else:
-            asyncio.run(gateway.serve(args.backend, url, tokenizer=path, model_name=args.model,
-                                      host=args.host, port=args.port,
-                                      max_model_len=args.max_seq_len))
+            serving = gateway.serve(args.backend, url, tokenizer=path, model_name=args.model,
+                                    host=args.host, port=args.port,
+                                    max_model_len=args.max_seq_len)
+        asyncio.run(_while_alive(scheduler, serving))
+    shutil.rmtree(logs, ignore_errors=True)
     return 0
+
+
+async def _while_alive(scheduler, serving, interval: float = 1.0) -> None:
+    """Run `serving` until it returns or the backend server dies; then stop serving and raise
+    SchedulerError with the server's cause line and log (a gateway in front of a dead server
+    would answer every request with an error)."""
+    import asyncio
+
+    task = asyncio.ensure_future(serving)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=interval)
+            if not task.done():
+                scheduler.check_alive()
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _ps(args: argparse.Namespace) -> int:

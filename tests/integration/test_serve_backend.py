@@ -39,8 +39,31 @@ def test_openai_client_through_the_gateway_to_a_vllm_server(tmp_path):
         chat = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert chat.choices[0].finish_reason in ("stop", "length")
+        # Concurrent seeded requests with more prompt tokens than one of vLLM's steps takes
+        # (48 x 120 > 2,048): on a CPU a split prefill with a seed would kill its engine.
+        burst = _seeded_burst(url, model, 48)
+        assert [len(c["token_ids"]) for c in burst] == [4] * 48
+        again = _seeded_burst(url, model, 1)  # the first request alone: same seed, same tokens
+        assert again[0]["token_ids"] == burst[0]["token_ids"]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     # the vLLM server went down with the command: nothing listens on its private port
     assert proc.returncode in (0, 143, -signal.SIGTERM)
+
+
+def _seeded_burst(url: str, model: str, n: int) -> list[dict]:
+    """`n` concurrent completions of 120-token prompts, request i with seed i."""
+    import asyncio
+    import random
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, 250) for _ in range(120)] for _ in range(48)]
+        outs = await asyncio.gather(*(client.completions.create(
+            model=model, prompt=prompts[i], max_tokens=4, temperature=1.0, seed=i,
+            extra_body={"ignore_eos": True}) for i in range(n)))
+        await client.close()
+        return [o.choices[0].model_dump() for o in outs]
+    return asyncio.run(run())

@@ -18,6 +18,7 @@ class FakeVLLMServers:
         self.calls: list[tuple[int, str, dict]] = []  # (server, path, body)
         self.versions = [0] * n
         self.healthy = [True] * n  # False: /health answers 503
+        self.errors = [False] * n  # True: /v1/completions answers 500 (with healthy: a dead engine)
         self.addresses: list[str] = []
         self._paused: list[asyncio.Event] = []  # set while running
         self._aborts: list[int] = []  # abort-pauses so far, per server
@@ -49,6 +50,9 @@ class FakeVLLMServers:
             body = await request.json() if request.can_read_body else {}
             self.calls.append((i, path, body))
             if path == "/v1/completions":
+                if self.errors[i]:
+                    return web.json_response({"error": {"message": "EngineCore encountered an "
+                                                        "issue."}}, status=500)
                 return web.json_response(await self._complete(i, body))
             if path == "/pause":
                 self._paused[i].clear()

@@ -45,3 +45,40 @@ def test_serve_names_the_missing_backend_package(monkeypatch):
     args = build_parser().parse_args(["serve", "--model", "m", "--backend", "sglang"])
     with pytest.raises(SystemExit, match=r"needs the sglang package \(pip install sglang\)"):
         args.func(args)
+
+
+def test_serve_stops_with_the_scheduler_s_error_when_its_server_dies():
+    import asyncio
+
+    from asyncrl.cli import _while_alive
+    from asyncrl.scheduler.base import SchedulerError
+
+    class Scheduler:
+        checks = 0
+
+        def check_alive(self):
+            self.checks += 1
+            if self.checks == 3:
+                raise SchedulerError("inference 0 died (exit code 0): RuntimeError: boom")
+
+    cancelled = []
+
+    async def serving():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    scheduler = Scheduler()
+    with pytest.raises(SchedulerError, match="RuntimeError: boom"):
+        asyncio.run(_while_alive(scheduler, serving(), interval=0.01))
+    assert scheduler.checks == 3 and cancelled == [True]  # the gateway stopped with it
+
+    async def returns():
+        await asyncio.sleep(0.03)
+        return "done"
+
+    alive = Scheduler()
+    alive.check_alive = lambda: None
+    asyncio.run(_while_alive(alive, returns(), interval=0.01))  # a clean end: no error

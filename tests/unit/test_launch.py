@@ -17,6 +17,8 @@ def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
     assert argv[argv.index("--port") + 1] == "8001" and argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "4"]
+    # seeded requests need whole prefills on CPU (docs/reliability.md)
+    assert "--no-enable-chunked-prefill" in argv
     assert argv[argv.index("--worker-extension-cls") + 1] == (
         "asyncrl.engine.vllm_worker.WeightSyncExtension")
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
@@ -27,6 +29,7 @@ def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
 def test_gpu_servers_get_their_devices_and_no_cpu_flags():
     argv, env = server_command("vllm", "/m", "127.0.0.1", 8001, device="cuda:2")
     assert env["CUDA_VISIBLE_DEVICES"] == "2" and "--enforce-eager" not in argv
+    assert "--no-enable-chunked-prefill" not in argv  # a GPU generator rewinds
     argv, env = server_command("sglang", "/m", "127.0.0.1", 9000, device="cuda:0,1")
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert argv[argv.index("--model-path") + 1] == "/m" and env["CUDA_VISIBLE_DEVICES"] == "0,1"

@@ -301,6 +301,15 @@ class HTTPInferenceEngine:
                 with self._lock:
                     self._pinned.pop(key, None)  # start again on another server, or this
                     # one once it is back (restarted by the run's scheduler)
+            except ServerStatusError as e:
+                # A server error from a server that then fails its health check is a dying
+                # server (vLLM answers 500 to every request in flight when its engine dies):
+                # the request runs again elsewhere, or here once the server is restarted.
+                if e.status < 500 or await self._probe(self.addresses[idx]) is True:
+                    raise
+                self._mark_down(idx, str(e))
+                with self._lock:
+                    self._pinned.pop(key, None)
             finally:
                 with self._lock:
                     self._outstanding[idx] -= 1

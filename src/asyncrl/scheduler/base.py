@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 import urllib.error
@@ -25,6 +26,10 @@ PLACEHOLDERS = ("host", "port", "index", "cpus", "cores")
 
 class SchedulerError(RuntimeError):
     """A process could not be started or did not become healthy."""
+
+
+class WorkerDiedError(SchedulerError):
+    """A worker died again the way it died before: restarting it would not help."""
 
 
 @dataclass
@@ -236,6 +241,35 @@ def wait_healthy(workers: Sequence[Worker], *, health_path: str | None, timeout:
                                  f"scheduler.startup_timeout={timeout} s; the end of "
                                  f"{w.log_path}:\n{tail(w)}")
         time.sleep(interval)
+
+
+# "RuntimeError: CPU Generator does not use offset", also behind a logger's prefix
+_EXCEPTION_LINE = re.compile(r"\b(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): \S.*")
+
+
+def cause_line(path: str | Path, start: int = 0) -> str | None:
+    """The first exception line ("SomeError: message") a process wrote to its log from byte
+    `start` on: where its failure began. Later ones are mostly consequences (vLLM's
+    EngineDeadError after its worker's error); warnings are skipped. None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        match = _EXCEPTION_LINE.search(line)
+        if match is not None and "WARNING" not in line[:match.start()]:
+            return match.group(0).strip()
+    return None
+
+
+def log_size(path: str | Path) -> int:
+    """Bytes in a log so far (0 if it does not exist): where a restarted process's part begins."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def log_tail(path: str | Path, n: int = 30) -> str:

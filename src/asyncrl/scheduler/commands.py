@@ -15,6 +15,8 @@ from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.scheduler.base import WorkerSpec
 
 BACKENDS = ("local", "vllm", "sglang")
+# vLLM on CPU: every prefill in one step (its token budget then covers --max-model-len).
+CPU_WHOLE_PREFILLS = ["--no-enable-chunked-prefill"]
 
 
 def server_command(backend: str, model_path: str, host: str, port: int, *,
@@ -48,6 +50,9 @@ def server_argv(backend: str, model_path: str, host: str, port: str, *, dtype: s
         if device == "cpu":
             # Eager mode starts fast; the KV cache is given in GB on CPU (VLLM_CPU_KVCACHE_SPACE).
             argv += ["--enforce-eager", "--gpu-memory-utilization", "0.3"]
+            # A prefill split over steps rewinds its request's seeded generator, which a CPU
+            # generator cannot do (the engine dies); whole prefills keep seeds usable.
+            argv += CPU_WHOLE_PREFILLS
         return argv
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
             *address, "--dtype", dtype]

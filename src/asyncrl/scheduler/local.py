@@ -30,6 +30,7 @@ from asyncrl.scheduler.base import (
     SchedulerError,
     Worker,
     WorkerSpec,
+    cause_line,
     free_port,
     health_ok,
     log_tail,
@@ -248,9 +249,11 @@ class LocalScheduler:
         for p in (p for procs in self.procs.values() for p in procs):
             if p.proc.poll() is not None:
                 w = p.worker
+                cause = cause_line(w.log_path)
                 raise SchedulerError(
-                    f"{w.role} {w.index} ({w.address}) died (exit code {p.proc.returncode}); "
-                    f"the end of {w.log_path}:\n{log_tail(w.log_path)}")
+                    f"{w.role} {w.index} ({w.address}) died (exit code {p.proc.returncode})"
+                    + (f": {cause}" if cause else "")
+                    + f"; the end of {w.log_path}:\n{log_tail(w.log_path)}")
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """SIGTERM every worker, then SIGKILL what is left after `timeout` seconds."""

@@ -24,7 +24,15 @@ from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
 from asyncrl.observe.timeline import Timeline, plot_timeline
 from asyncrl.rollout import RolloutController, RolloutError, evaluate, make_episode_filter
-from asyncrl.scheduler.base import Scheduler, SchedulerError, log_tail, make_scheduler
+from asyncrl.scheduler.base import (
+    Scheduler,
+    SchedulerError,
+    WorkerDiedError,
+    cause_line,
+    log_size,
+    log_tail,
+    make_scheduler,
+)
 from asyncrl.services.agent import AgentClient, AgentServiceError
 from asyncrl.services.router import RouterClient, fetch_state
 from asyncrl.services.training import TrainingServiceError
@@ -77,8 +85,10 @@ def _raise_if_dead(scheduler: Scheduler) -> None:
         workers = scheduler.get_workers(role)
         for worker, ok in zip(workers, scheduler.check_health(role) if workers else []):
             if not ok:
-                raise SchedulerError(f"{role} {worker.index} ({worker.address}) is down; the "
-                                     f"end of {worker.log_path}:\n{log_tail(worker.log_path)}")
+                cause = cause_line(worker.log_path)
+                raise SchedulerError(f"{role} {worker.index} ({worker.address}) is down"
+                                     + (f": {cause}" if cause else "") + "; the end of "
+                                     f"{worker.log_path}:\n{log_tail(worker.log_path)}")
 
 
 class RLTrainer:
@@ -96,6 +106,10 @@ class RLTrainer:
         self.agent_service_restarts = 0
         # server index (or "agent", the agent service) -> health checks failed in a row
         self._failed_checks: dict[int | str, int] = {}
+        # server index -> the error that ended its last life, and where its log's part for
+        # the present life begins (restarts append to the same file)
+        self._death_causes: dict[int, str | None] = {}
+        self._log_starts: dict[int, int] = {}
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.routed = router is not None  # a router service routes for every client
         self.timeline = Timeline(paths.root / "timeline.jsonl")
@@ -359,10 +373,14 @@ class RLTrainer:
             self._failed_checks[idx] = 0 if ok else self._failed_checks.get(idx, 0) + 1
             if self._failed_checks[idx] < checks:
                 continue
-            logger.warning("inference server %d failed %s; restarting it", idx,
+            self._check_new_death(idx)
+            logger.warning("inference server %d failed %s; restarting it (%s)", idx,
                            {1: "a health check", 2: "two health checks"}.get(
-                               checks, f"{checks} health checks"))
+                               checks, f"{checks} health checks"),
+                           self._death_causes[idx] or "no error in its log")
             restarted += 1
+            self._log_starts[idx] = log_size(
+                self.scheduler.get_workers("inference")[idx].log_path)
             worker = self.scheduler.restart_worker("inference", idx)
             if worker.address != self.engine.addresses[idx]:
                 self.engine.replace_server(idx, worker.address)
@@ -372,6 +390,20 @@ class RLTrainer:
             if self.agents is not None and not self.routed:  # the agent service's own client
                 self.rollout.run_coroutine(self.agents.replace_server(idx, worker.address))
         return restarted
+
+    def _check_new_death(self, idx: int) -> None:
+        """Record why inference server `idx` died (the first error in its log since it last
+        started); WorkerDiedError if that is why it died the time before: a server that
+        fails the same way on every start (a backend bug, a bad flag, a model it cannot
+        load) stops the run with its cause instead of being restarted for ever."""
+        worker = self.scheduler.get_workers("inference")[idx]
+        cause = cause_line(worker.log_path, self._log_starts.get(idx, 0))
+        if cause is not None and cause == self._death_causes.get(idx):
+            raise WorkerDiedError(
+                f"inference server {idx} ({worker.address}, backend {self.cfg.rollout.backend}) "
+                f"died again the way it died before: {cause}\n"
+                f"Its log: {worker.log_path} (the error from its previous start is there too)")
+        self._death_causes[idx] = cause
 
     def _restart_dead_workers(self) -> None:
         """The inference servers and the agent service that failed two health checks in a
