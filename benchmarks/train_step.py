@@ -262,7 +262,8 @@ def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, ke
     precision.GRADS_TO_MASTER = sink
     linear.USE_CONTIGUOUS = contiguous
     spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
-                           mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb))
+                           mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb),
+                           device=args.device)
     engine = FSDPTrainEngine(spec, total_steps=WARM_UP + args.repeats)
     engine.initialize()
     # A new batch each step, as in a run: one batch repeated would hide what a run pays for
@@ -341,7 +342,7 @@ def main() -> None:
         levers = [on]
     argv = ["--model", args.model, "--groups", str(args.groups), "--samples", str(args.samples),
             "--prompt", str(args.prompt), "--dtype", args.dtype, "--repeats", str(args.repeats),
-            "--max-tokens-per-mb", str(args.max_tokens_per_mb)]
+            "--max-tokens-per-mb", str(args.max_tokens_per_mb), "--device", args.device]
     for threads in args.threads:
         for shared, fsdp, kernels, keep, matmul_attention, sink, contiguous in levers:
             config = [threads, shared, fsdp, kernels, keep, matmul_attention, sink, contiguous]

@@ -12,7 +12,7 @@ from asyncrl.training.dist import init_process_group
 def process_group():
     """One process group for the module, so that engines come and go without owning it."""
     torch.set_num_threads(1)
-    created = init_process_group()
+    created = init_process_group("cpu")
     yield
     if created:
         dist.destroy_process_group()

@@ -255,7 +255,7 @@ def test_the_trainer_refuses_a_teacher_with_another_tokenizer(tmp_path):
     cfg = _load("actor.distill_coef=1", f"teacher.path={foreign}")
     for path, ok in ((student, True), (foreign, False)):
         teacher = frozen_engine(path=path, dtype="float32", mb_spec=cfg.teacher.mb_spec,
-                                seed=cfg.seed)
+                                seed=cfg.seed, device="cpu")
         teacher.initialize()
         try:
             if ok:

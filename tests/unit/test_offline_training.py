@@ -177,7 +177,7 @@ def test_engine_config_of_the_model_section_keeps_its_keys():
     model = TrainEngineConfig(path="p", dtype="float32", gradient_checkpointing=True,
                               mb_spec=MicroBatchSpec(max_tokens_per_mb=7, granularity=2),
                               optimizer=OptimizerConfig(lr=3e-4))
-    cfg = model.engine_spec()
+    cfg = model.engine_spec(device="cpu")
     assert (cfg.path, cfg.dtype, cfg.gradient_checkpointing) == ("p", "float32", True)
     assert dataclasses.astuple(cfg.mb_spec) == (7, 2) and cfg.optimizer.lr == 3e-4
     assert cfg.temperature == 1.0  # SFT/DPO log-probs are the model's own distribution

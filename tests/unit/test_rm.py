@@ -261,7 +261,7 @@ def make_rm_engine(path, budget, granularity=2, **kw):
 
     cfg = TrainEngineConfig(path=path, dtype="float32", mb_spec=MicroBatchSpec(
         max_tokens_per_mb=budget, granularity=granularity), optimizer=OptimizerConfig(lr=1e-3))
-    return FSDPRewardEngine(cfg.engine_spec(), total_steps=1, **kw)
+    return FSDPRewardEngine(cfg.engine_spec(device="cpu"), total_steps=1, **kw)
 
 
 def test_micro_batches_keep_pairs_whole_and_add_up_to_one_big_batch(tmp_path):

@@ -14,16 +14,19 @@ import pytest
 from aiohttp import web
 
 from asyncrl.api import GenerationRequest, SamplingParams
-from asyncrl.inference.base import WeightUpdateError
+from asyncrl.inference.base import InferenceServerError, WeightUpdateError
 from asyncrl.inference.sglang import SGLangInferenceEngine
 
 EXCHANGE = Path(__file__).resolve().parents[1] / "fixtures" / "sglang" / "exchange.json"
 
 
 class ReplayServer:
-    """Answers requests from a recorded exchange; records mismatches instead of guessing."""
+    """Answers requests from a recorded exchange; records mismatches instead of guessing.
 
-    def __init__(self, entries: list[dict], substitutions: dict[str, str]):
+    Paths in `absent` answer 404 as a server without that route does (FastAPI's answer)."""
+
+    def __init__(self, entries: list[dict], substitutions: dict[str, str],
+                 absent: frozenset[str] = frozenset()):
         text = json.dumps(entries)
         for key, value in substitutions.items():
             text = text.replace(key, value)
@@ -31,6 +34,7 @@ class ReplayServer:
         self.used = [False] * len(self.entries)
         self.seen: list[tuple[str, dict]] = []  # (path, body) in arrival order
         self.errors: list[str] = []
+        self.absent = absent
         self.loop = asyncio.new_event_loop()
         self._arrived: dict[str, asyncio.Event] = {}
         ready = threading.Event()
@@ -56,6 +60,8 @@ class ReplayServer:
         body = await request.json() if request.can_read_body else None
         self.seen.append((path, body))
         self._event(path).set()
+        if path in self.absent:
+            return web.json_response({"detail": "Not Found"}, status=404)
         for i, entry in enumerate(self.entries):
             rec = entry["request"]
             if self.used[i] or rec["method"] != request.method or rec["path"] != path:
@@ -123,3 +129,54 @@ def test_failed_weight_update_raises_naming_server_step_and_message_then_resumes
     assert server.errors == [] and all(server.used)  # continue_generation came last
     assert [p for p, _ in server.seen] == ["/pause_generation", "/update_weights_from_disk",
                                            "/continue_generation"]
+
+
+def model_info(version: str) -> dict:
+    """A /model_info answer in SGLang's shape (model_path and the weight version label)."""
+    return {"model_path": "/models/tiny", "tokenizer_path": "/models/tiny",
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": version}
+
+
+def info_entries(route: str, versions: list[str]) -> list[dict]:
+    return [{"request": {"method": "GET", "path": route},
+             "response": {"status": 200, "body": model_info(v)}} for v in versions]
+
+
+def read_versions(server: ReplayServer, n: int) -> list[int]:
+    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+
+    async def go():
+        try:
+            return [await client.get_version() for _ in range(n)]
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_version_is_read_from_model_info_on_a_server_without_the_old_route():
+    server = ReplayServer(info_entries("/model_info", ["default", "4"]), {},
+                          absent=frozenset({"/get_model_info"}))
+    assert read_versions(server, 2) == [0, 4]  # "default": the weights it started with
+    assert server.errors == [] and all(server.used)
+    assert [p for p, _ in server.seen] == ["/model_info", "/model_info"]
+
+
+def test_a_server_older_than_model_info_is_asked_its_old_route_after_one_404():
+    # SGLang <= 0.5.5 has only /get_model_info: one 404 from /model_info, then the old route
+    # for this and every later read (three reads: 1 + 3 requests, not 2 x 3).
+    server = ReplayServer(info_entries("/get_model_info", ["default", "2", "3"]), {},
+                          absent=frozenset({"/model_info"}))
+    assert read_versions(server, 3) == [0, 2, 3]
+    assert server.errors == [] and all(server.used)
+    assert [p for p, _ in server.seen] == ["/model_info", "/get_model_info", "/get_model_info",
+                                           "/get_model_info"]
+
+
+def test_an_error_other_than_404_from_model_info_is_raised_not_retried_on_the_old_route():
+    entries = [{"request": {"method": "GET", "path": "/model_info"},
+                "response": {"status": 503, "body": {"error": "tokenizer manager not ready"}}}]
+    server = ReplayServer(entries, {})
+    with pytest.raises(InferenceServerError, match="model_info answered 503"):
+        read_versions(server, 1)
+    assert [p for p, _ in server.seen] == ["/model_info"]

@@ -337,8 +337,8 @@ def test_critic_values_and_step_equal_the_padded_path(tiny_path):
 # ---- configuration ----------------------------------------------------------------------------
 
 def test_the_yaml_key_reaches_the_engine_spec():
-    assert TrainEngineConfig(shared_prefix=True).engine_spec().shared_prefix
-    assert not TrainEngineConfig().engine_spec().shared_prefix
+    assert TrainEngineConfig(shared_prefix=True).engine_spec(device="cpu").shared_prefix
+    assert not TrainEngineConfig().engine_spec(device="cpu").shared_prefix
 
 
 def test_a_root_without_a_shared_prefix_forward_is_refused(tiny_path):

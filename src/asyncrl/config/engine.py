@@ -68,6 +68,9 @@ class TrainEngineSpec:
     # micro-batch goes through the model as a token trie (training/prefix.py). Exact
     # gradients; needs sdpa attention and full-attention layers.
     shared_prefix: bool = False
+    # Where the rank computes. Not a key of any section: the trainer that builds the spec
+    # sets it from cluster.n_gpus_per_node (`ClusterConfig.device`), never from the host.
+    device: Literal["cpu", "cuda"] = "cpu"
 
     @classmethod
     def of(cls, section: Any, **overrides: Any) -> TrainEngineSpec:

@@ -47,9 +47,9 @@ class TrainEngineConfig:
     # a token trie (training/prefix.py); exact. Needs sdpa attention.
     shared_prefix: bool = False
 
-    def engine_spec(self) -> TrainEngineSpec:
-        """What `FSDPTrainEngine` reads of this section."""
-        return TrainEngineSpec.of(self)
+    def engine_spec(self, *, device: str) -> TrainEngineSpec:
+        """What `FSDPTrainEngine` reads of this section, its ranks on `device`."""
+        return TrainEngineSpec.of(self, device=device)
 
 
 @dataclass(kw_only=True)

@@ -35,6 +35,11 @@ class ClusterConfig:
     # cache dir (~/.cache/asyncrl/experiments).
     fileroot: str = ""
 
+    @property
+    def device(self) -> Literal["cpu", "cuda"]:
+        """Where the trainer ranks compute: CUDA when the nodes have GPUs, else the CPU."""
+        return "cuda" if self.n_gpus_per_node > 0 else "cpu"
+
 
 @dataclass(kw_only=True)
 class RayConfig:

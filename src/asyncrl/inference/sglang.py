@@ -7,7 +7,9 @@ Endpoints used (shapes from SGLang's http_server.py and io_struct.py):
 - POST /pause_generation {"mode": "abort"}: requests in flight end with finish_reason
   "abort" and their tokens so far (as vLLM's /pause); POST /continue_generation resumes.
 - POST /update_weights_from_disk {"model_path", "weight_version"} -> {"success", "message"}.
-- GET /get_model_info -> {"weight_version", ...}; GET /health.
+- GET /model_info -> {"weight_version", ...}; GET /health. SGLang 0.5.6 added /model_info
+  and deprecated /get_model_info (it logs a warning per call); servers up to 0.5.5 have only
+  /get_model_info, which the client then asks instead (after one 404 per server).
 - Broadcast: POST /init_weights_update_group {"master_address", "master_port",
   "rank_offset", "world_size", "group_name", "backend"}; then per bucket POST
   /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
@@ -25,7 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
-from asyncrl.inference.base import InferenceServerError, WeightBroadcast, WeightUpdateError
+from asyncrl.inference.base import (
+    InferenceServerError,
+    ServerStatusError,
+    WeightBroadcast,
+    WeightUpdateError,
+)
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
 
@@ -33,6 +40,10 @@ class SGLangInferenceEngine(ResubmittingEngine):
     """Routes generations to SGLang servers; a weight update aborts, reloads and resubmits."""
 
     backend = "sglang"
+
+    def __init__(self, addresses: list[str], **kwargs) -> None:
+        super().__init__(addresses, **kwargs)
+        self._old_model_info: set[str] = set()  # servers without /model_info (<= 0.5.5)
 
     async def _generate_piece(self, address: str, req: GenerationRequest,
                               done_ids: list[int]) -> Piece:
@@ -79,10 +90,21 @@ class SGLangInferenceEngine(ResubmittingEngine):
         return "/destroy_weights_update_group", {"group_name": group_name}
 
     async def _read_version(self, address: str) -> int:
-        body = await self._request(address, "/get_model_info", None,
-                                   timeout=self.update_weights_timeout, method="GET")
+        body = await self._model_info(address)
         label = body.get("weight_version")
         return 0 if label in (None, "default") else int(label)
+
+    async def _model_info(self, address: str) -> dict[str, Any]:
+        """The server's model info: /model_info, or /get_model_info where that is a 404."""
+        t = self.update_weights_timeout
+        if address not in self._old_model_info:
+            try:
+                return await self._request(address, "/model_info", None, timeout=t, method="GET")
+            except ServerStatusError as e:
+                if e.status != 404:
+                    raise
+            self._old_model_info.add(address)
+        return await self._request(address, "/get_model_info", None, timeout=t, method="GET")
 
     async def _pause_one(self, address: str) -> Any:
         # retract: requests in flight go back to the queue, kept (the protocol's pause)

@@ -14,12 +14,12 @@ from asyncrl.training import FSDPValueEngine, train_epochs
 class Critic:
     """The value model: values before the actor's update, then its own minibatch steps."""
 
-    def __init__(self, cfg: CriticConfig, *, total_steps: int, seed: int,
+    def __init__(self, cfg: CriticConfig, *, total_steps: int, seed: int, device: str,
                  epochs: int = 1) -> None:
         self.n_minibatches = cfg.ppo_n_minibatches or 1
         self.epochs = epochs  # the actor's ppo_epochs: both pass over the batch alike
         # The schedule counts optimiser steps: one per minibatch and epoch.
-        self.engine = FSDPValueEngine(TrainEngineSpec.of(cfg),
+        self.engine = FSDPValueEngine(TrainEngineSpec.of(cfg, device=device),
                                       total_steps=total_steps * self.n_minibatches * epochs,
                                       seed=seed)
         self.loss_fn = make_value_loss_fn(cfg)
@@ -30,7 +30,7 @@ class Critic:
         if cfg.critic is None:
             return None
         critic = cls(cfg.critic, total_steps=total_steps, seed=cfg.seed,
-                     epochs=cfg.actor.ppo_epochs)
+                     device=cfg.cluster.device, epochs=cfg.actor.ppo_epochs)
         critic.engine.initialize()
         return critic
 

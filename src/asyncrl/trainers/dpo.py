@@ -37,7 +37,8 @@ def train(cfg: DPOConfig) -> dict[str, Any]:
 def make_reference_engine(cfg: DPOConfig) -> FSDPTrainEngine:
     """The frozen reference policy (not initialised): never stepped, so no optimiser state."""
     return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
-                         seed=cfg.seed, init_from_scratch=cfg.model.init_from_scratch)
+                         seed=cfg.seed, device=cfg.cluster.device,
+                         init_from_scratch=cfg.model.init_from_scratch)
 
 
 def compute_reference_logprobs(engine: FSDPTrainEngine, examples: list[Example], *, batch_size: int,

@@ -159,7 +159,7 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     """Start the servers and (service mode) the trainer ranks; return once all are healthy."""
     world, n_servers = cfg.trainer_world_size, cfg.rollout.n_servers
     weights_service = weight_update_in_service(cfg)  # checked before anything starts
-    device = "cuda" if cfg.cluster.n_gpus_per_node else "cpu"
+    device = cfg.cluster.device
     local = isinstance(scheduler, LocalScheduler)
     service = trainer_in_service(cfg)
     extra = list(cfg.rollout.server_args)

@@ -84,7 +84,7 @@ class OfflineTrainer:
 
         self.cfg = cfg
         # Engines come and go (DPO's reference, then the policy): the group outlives them.
-        self._owns_group = init_process_group()
+        self._owns_group = init_process_group(cfg.cluster.device)
         self._check_world_size()
         # Under torchrun or allocation_mode's ranks, only rank 0 writes the record.
         self.is_main = dist.get_rank() == 0
@@ -138,7 +138,8 @@ class OfflineTrainer:
         self._check_batches_split(valid, self._eval_batch_size(), "valid_dataset")
         steps_per_epoch = math.ceil(len(train) / cfg.train_dataset.batch_size)
         total = min(cfg.total_train_epochs * steps_per_epoch, cfg.total_train_steps or 10**12)
-        engine = engine_cls(cfg.model.engine_spec(), total_steps=total, seed=cfg.seed)
+        engine = engine_cls(cfg.model.engine_spec(device=cfg.cluster.device), total_steps=total,
+                            seed=cfg.seed)
         engine.initialize()
         log_cfg = cfg.stats_logger if self.is_main else StatsLoggerConfig(
             jsonl=False, tensorboard=False, progress_bar=False)

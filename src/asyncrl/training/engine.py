@@ -282,9 +282,9 @@ class FSDPTrainEngine:
         """Join the process group, load and shard the model, build optimiser and schedule."""
         from transformers import AutoTokenizer
 
-        self._owns_process_group = init_process_group()
+        self.device = local_device(self.spec.device)
+        self._owns_process_group = init_process_group(self.spec.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = local_device()
         if self.device.type == "cpu" and heap.KEEP_FREED_MEMORY:
             heap.keep_freed_memory()  # training/heap.py: no page faults for reused buffers
         torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
@@ -545,12 +545,12 @@ class FSDPTrainEngine:
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.steps_done = int(extra["steps_done"])
         torch.set_rng_state(extra["cpu_rng"])
-        if torch.cuda.is_available() and "cuda_rng" in extra:
+        if self.device.type == "cuda" and "cuda_rng" in extra:
             torch.cuda.set_rng_state(extra["cuda_rng"])
 
     def _extra_state(self) -> dict[str, Any]:
         extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "steps_done": self.steps_done,
                  "cpu_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if self.device.type == "cuda":
             extra["cuda_rng"] = torch.cuda.get_rng_state()
         return extra

@@ -14,12 +14,13 @@ from asyncrl.config.schema import ExperimentConfig, MicroBatchSpec
 from asyncrl.training.engine import FSDPTrainEngine
 
 
-def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int,
+def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int, device: str,
                   temperature: float = 1.0, init_from_scratch: bool = False,
                   shared_prefix: bool = False) -> FSDPTrainEngine:
-    """A never-stepped engine for the model at `path` (not initialised)."""
+    """A never-stepped engine for the model at `path` on `device` (not initialised)."""
     spec = TrainEngineSpec(path=path, dtype=dtype, mb_spec=mb_spec, temperature=temperature,
-                           init_from_scratch=init_from_scratch, shared_prefix=shared_prefix)
+                           init_from_scratch=init_from_scratch, shared_prefix=shared_prefix,
+                           device=device)
     return FSDPTrainEngine(spec, total_steps=1, seed=seed)
 
 
@@ -31,7 +32,7 @@ def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
     if cfg.actor.kl_ctl == 0:
         return None
     return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
-                         seed=cfg.seed, temperature=cfg.actor.temperature,
+                         seed=cfg.seed, device=cfg.cluster.device, temperature=cfg.actor.temperature,
                          init_from_scratch=cfg.actor.init_from_scratch,
                          shared_prefix=cfg.actor.shared_prefix)
 
@@ -41,7 +42,7 @@ def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
     if cfg.actor.distill_coef == 0:
         return None
     return frozen_engine(path=cfg.teacher.path, dtype=cfg.teacher.dtype,
-                         mb_spec=cfg.teacher.mb_spec, seed=cfg.seed,
+                         mb_spec=cfg.teacher.mb_spec, seed=cfg.seed, device=cfg.cluster.device,
                          temperature=cfg.actor.temperature, shared_prefix=cfg.actor.shared_prefix)
 
 

@@ -61,7 +61,8 @@ class RLWorker:
 
         cfg = self.cfg
         # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
-        self.actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor), seed=cfg.seed,
+        self.actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor, device=cfg.cluster.device),
+                                     seed=cfg.seed,
                                      total_steps=total_steps * cfg.actor.updates_per_batch)
         self.actor.initialize()
         self.ref = make_ref_engine(cfg)
