@@ -233,7 +233,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if start < kept:
                 template = templates[start:start + rows]
             else:
-                template = torch.empty((h.shape[0], weight.shape[0]), dtype=weight.dtype)
+                template = h.new_empty((h.shape[0], weight.shape[0]), dtype=weight.dtype)
                 ctx.chunk_forward(h, weight, tok, ctx.temperature, False, template)
             g = grad_logprobs[start:start + rows].float()
             if in_c:  # dL/dz in place, each product in fp32 rounded once as autograd does
