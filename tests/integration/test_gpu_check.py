@@ -1,0 +1,116 @@
+"""benchmarks/gpu/check.py on the CPU (`--device cpu`): every step runs at tiny shapes, and each
+derived figure is recomputed here from the raw numbers results.json holds beside it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+CHECK = REPO / "benchmarks" / "gpu" / "check.py"
+SHAPES = ("smollm2-135m", "qwen3-0.6b", "qwen3-1.7b")
+# Non-embedding parameters of the tiny shapes (hidden 64, 2 heads of 32, 1 KV head,
+# intermediate 128): per layer q 64x64, k and v 64x32, o 64x64, gate, up and down 64x128, two
+# norms of 64; Qwen3 adds q and k norms of 32. Layers 2, 3, 4; the final norm, 64.
+LLAMA_LAYER = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+TINY_PARAMS = {"smollm2-135m": 2 * LLAMA_LAYER + 64,
+               "qwen3-0.6b": 3 * (LLAMA_LAYER + 2 * 32) + 64,
+               "qwen3-1.7b": 4 * (LLAMA_LAYER + 2 * 32) + 64}
+
+
+def run_check(out: Path, *steps: str) -> tuple[subprocess.CompletedProcess, dict]:
+    # No assets: the tiny byte-level tokenizer (259 tokens, embeddings of 320 rows).
+    argv = [sys.executable, str(CHECK), "--device", "cpu", "--out", str(out),
+            "--assets", str(out / "no-assets"), "--steps", *steps]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return done, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def shapes_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    out = tmp_path_factory.mktemp("gpu-check")
+    done, results = run_check(out, "shapes")
+    return done, results, out
+
+
+def rows(results: dict) -> dict:
+    return {(s["name"], s["shape"]): s for s in results["steps"]}
+
+
+def test_every_step_has_a_row_that_passed_in_the_table_and_the_json(shapes_run):
+    done, results, out = shapes_run
+    expected = [("build", ""), ("calibrate", "")] + [
+        (part, shape) for shape in SHAPES for part in ("train", "decode", "publish")]
+    assert [(s["name"], s["shape"]) for s in results["steps"]] == expected, done.stdout[-3000:]
+    failed = {k: s["error"] for k, s in rows(results).items() if s["status"] != "passed"}
+    assert not failed
+    assert done.returncode == 0
+    table = (out / "table.md").read_text()
+    for name, shape in expected:
+        assert f"| {name} | {shape} | passed |" in table
+    for log in {s["log"] for s in results["steps"]}:
+        assert (out / log).is_file()
+
+
+def test_mfu_is_six_params_tokens_over_step_time_over_the_measured_peak(shapes_run):
+    _, results, _ = shapes_run
+    peak = results["calibration"]["peak_flops"]
+    assert peak == max(results["calibration"]["matmul_flops_by_size"].values())
+    for shape in SHAPES:
+        m = rows(results)[("train", shape)]["metrics"]
+        assert m["params"] == TINY_PARAMS[shape]
+        # 2 groups x 4 answers of 8-24 tokens after a 16-token prompt
+        assert 8 * (16 + 8) <= m["tokens"] <= 8 * (16 + 24)
+        assert m["flops"] == 6 * TINY_PARAMS[shape] * m["tokens"]
+        assert m["mfu"] == pytest.approx(m["flops"] / m["step_s"] / peak, rel=1e-12)
+        assert m["step_s"] == pytest.approx(sum(m["step_times"]) / len(m["step_times"]))
+        assert m["peak_memory_bytes"] > 0
+
+
+def test_decode_is_faster_at_batch_64_and_its_limit_is_bandwidth_over_bytes_read(shapes_run):
+    _, results, _ = shapes_run
+    bandwidth = results["calibration"]["copy_bytes_per_s"]
+    for shape in SHAPES:
+        params = rows(results)[("train", shape)]["metrics"]["params"]
+        vocab = rows(results)[("build", "")]["metrics"][shape]["shape"]["vocab_size"]
+        assert vocab == 320
+        decode = rows(results)[("decode", shape)]["metrics"]
+        for batch in (1, 64):
+            r = decode[f"batch_{batch}"]
+            # 16 new tokens each; the first (or two) come with admission, not counted
+            assert r["tokens"] in (14 * batch, 15 * batch)
+            assert r["tokens"] == r["steps"] * batch
+            assert r["weight_bytes"] == 2 * (vocab * 64 + params)  # tied head, bf16
+            assert r["bytes"] == r["steps"] * r["weight_bytes"] + r["kv_bytes"]
+            assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+            assert r["limit_tokens_per_s"] == pytest.approx(r["tokens"] * bandwidth / r["bytes"])
+            assert r["tokens_per_s"] > 0
+        assert decode["batch_64"]["tokens_per_s"] > decode["batch_1"]["tokens_per_s"]
+
+
+def test_published_weights_are_served_bit_for_bit_with_the_trainers_logprobs(shapes_run):
+    _, results, _ = shapes_run
+    for shape in SHAPES:
+        m = rows(results)[("publish", shape)]["metrics"]
+        assert m["published_version"] == m["served_version"] == 3  # one warm-up, two timed
+        assert m["digest_equal"] is True
+        assert m["save_s"] > 0 and m["load_s"] > 0 and m["bytes"] > 0
+        assert m["logprob_tokens"] == 4 * 8
+        # bf16 on both sides, in another op order: a few bf16 roundings of the logits
+        assert m["logprob_gap_max"] < 0.05
+
+
+@pytest.mark.slow
+def test_all_steps_with_device_tests_and_grpo(tmp_path):
+    done, results = run_check(tmp_path, "tests", "shapes", "grpo")
+    steps = rows(results)
+    assert steps[("device tests", "")]["status"] == "passed", steps[("device tests", "")]
+    has_grpo = (CHECK.parent / "grpo_one_gpu.py").is_file()
+    for sync in ("ipc", "disk"):
+        step = steps[(f"grpo {sync}", "smollm2-135m")]
+        assert step["status"] == ("passed" if has_grpo else "not available"), step["error"]
+    assert done.returncode == 0, done.stdout[-3000:]
