@@ -243,6 +243,7 @@ def train(spec: dict, size: dict, out: dict, held: dict) -> None:
     t0 = time.perf_counter()
     engine = FSDPTrainEngine(TrainEngineSpec(
         path=spec["model"], dtype="bfloat16",
+        device="cuda" if device.startswith("cuda") else "cpu",
         mb_spec=MicroBatchSpec(max_tokens_per_mb=size["max_tokens_per_mb"])),
         total_steps=size["warm_up"] + size["steps"] + 1)
     engine.initialize()
