@@ -10,6 +10,8 @@ import asyncio
 import itertools
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import requests
@@ -362,3 +364,36 @@ def test_vllm_client_speaks_vllms_ipc_weight_transfer():
     assert sent["tensor_sizes"] == [24, 10, 12]  # 12, 5 and 6 bf16 elements
     assert list(itertools.accumulate(sent["tensor_sizes"])) == [24, 34, 46]
     assert bodies["/finish_weight_update"] == {"weight_version": "7"}
+
+
+# ---- on a GPU: the two CUDA calls themselves --------------------------------------------------
+
+_OPEN_IN_ANOTHER_PROCESS = """
+import json, sys, torch
+from asyncrl.weights import ipc
+importer = ipc.IpcImporter()
+for line in sys.stdin:  # one update body a line; the sums of its tensors back
+    layout, handle = ipc.parse_update(json.loads(line))
+    buffer = importer.open(handle, torch.device("cuda"))
+    sums = {n: t.double().sum().item() for n, t in layout.unpack(0, buffer)}
+    print(json.dumps(sums), flush=True)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_ipc_hands_the_buffer_to_another_process_and_its_rewrites_too():
+    exporter = IpcExporter()
+    child = subprocess.Popen([sys.executable, "-c", _OPEN_IN_ANOTHER_PROCESS],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        for scale in (1.0, -3.0):  # the second export rewrites the same shared buffer
+            state = {n: t.cuda() for n, t in _bf16_state().items()}
+            state = {n: t * scale for n, t in state.items()}
+            child.stdin.write(json.dumps(exporter.export(state)) + "\n")
+            child.stdin.flush()
+            sums = json.loads(child.stdout.readline())
+            assert sums == {n: t.double().sum().item() for n, t in state.items()}
+    finally:
+        child.stdin.close()
+        child.wait(60)
+    assert child.returncode == 0

@@ -78,3 +78,29 @@ def test_a_memory_fraction_is_for_cuda_engines(tiny_path):
     assert parse_args(["--model", "m", "--gpu-memory-fraction", "0.3"]).gpu_memory_fraction == 0.3
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--gpu-memory-fraction", "1.5"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA engine's share of its GPU")
+def test_a_cuda_engine_sizes_its_cache_from_its_share_of_the_gpu(tiny_path):
+    import math
+
+    from asyncrl.engine.model import hf_shapes
+
+    cfg, _ = load_config(tiny_path)
+    total = torch.cuda.get_device_properties(0).total_memory
+    weights = sum(math.prod(s) for s in hf_shapes(cfg).values()) * 2  # bf16, tied
+    reserve = memory.activation_reserve(cfg, torch.bfloat16, 64, 2048)
+    slot = memory.kv_slot_bytes(cfg, torch.bfloat16, 2048)
+    fraction = (2 * weights + reserve + 10.5 * slot) / total  # room for 10 slots
+    try:
+        engine = LocalEngine(tiny_path, LocalEngineConfig(max_batch_size=64, max_seq_len=2048),
+                             device="cuda", gpu_memory_fraction=fraction)
+        assert engine.config.max_batch_size == engine.cache.k.shape[1] == 10
+        done = []
+        engine.submit(GenerationRequest(input_ids=[1, 2, 3], sampling=SamplingParams(
+            max_new_tokens=4, ignore_eos=True)), done.append)
+        while not done:
+            engine.step()
+        assert len(done[0].output_ids) == 4
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
