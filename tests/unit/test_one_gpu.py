@@ -122,6 +122,11 @@ class RecordingScheduler(LocalScheduler):
     def __init__(self, run_dir):
         super().__init__(SchedulerConfig(), run_dir)
         self.started = []  # (role, index, argv, environment)
+        self.waited = {}  # role -> whether create_workers waited for its health
+
+    def create_workers(self, spec, *, wait=True):
+        self.waited[spec.role] = wait
+        return super().create_workers(spec, wait=wait)
 
     def _spawn(self, spec, index, cores, env, port):
         values = {"host": "127.0.0.1", "port": str(port), "index": str(index),
@@ -148,11 +153,13 @@ class RecordingScheduler(LocalScheduler):
         self.procs.clear()
 
 
-def _started(tmp_path, tiny_path, *overrides):
+def _started(tmp_path, tiny_path, *overrides, waited=None):
     cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
                              "train_dataset.path=unused.jsonl", *overrides])
     scheduler = RecordingScheduler(tmp_path / "logs")
     launch(cfg, RunPaths.from_config(cfg), scheduler)
+    if waited is not None:
+        waited.update(scheduler.waited)
     return {(role, i): (argv, env) for role, i, argv, env in scheduler.started}
 
 
@@ -191,10 +198,20 @@ def test_two_colocated_pairs_on_two_gpus(tmp_path, tiny_path):
                                            ("sglang", "--mem-fraction-static")])
 def test_each_backend_gets_the_memory_share_under_its_own_flag(tmp_path, tiny_path, backend,
                                                                flag):
-    started = _started(tmp_path, tiny_path, f"allocation_mode={backend}:d1|fsdp:d1", *ONE_GPU)
+    waited = {}
+    started = _started(tmp_path, tiny_path, f"allocation_mode={backend}:d1|fsdp:d1", *ONE_GPU,
+                       waited=waited)
     argv, env = started["inference", 0]
     assert _flag(argv, flag) == "0.5" and env["CUDA_VISIBLE_DEVICES"] == "0"
     assert "--weight-transfer-config" not in argv  # disk: vLLM reloads from the folder
+    # they size their cache from the memory free on start: up before the trainer loads
+    assert waited == {"inference": True}
+
+
+def test_our_colocated_server_starts_while_the_inline_trainer_loads(tmp_path, tiny_path):
+    waited = {}
+    _started(tmp_path, tiny_path, "allocation_mode=local:d1|fsdp:d1", *ONE_GPU, waited=waited)
+    assert waited == {"inference": False}  # it sizes its cache from the GPU's total
 
 
 def test_vllm_with_ipc_gets_its_ipc_weight_transfer_and_the_pickled_handles_allowed(

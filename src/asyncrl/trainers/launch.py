@@ -203,11 +203,12 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         shared = sorted(os.sched_getaffinity(0))
         servers.affinity = shared
         servers.env[CORE_SHARE_ENV] = f"{scheduler.open_core_share()},{{index}}"
-    # Alone with an inline trainer, the local servers start while the trainer loads; on a
-    # shared GPU first, as vLLM sizes its KV cache from what it sees free on start.
+    # Alone with an inline trainer, the local servers start while the trainer loads; vLLM
+    # and SGLang on a shared GPU first, as they size their KV cache from the memory free on
+    # start (ours from the GPU's total).
     defer = (local and not service and not in_service(cfg, cfg.scheduler.router)
              and not (cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent))
-             and not colocated)
+             and not (colocated and cfg.rollout.backend != "local"))
     if defer:
         assert isinstance(scheduler, LocalScheduler)
         workers = scheduler.create_workers(servers, wait=False)
