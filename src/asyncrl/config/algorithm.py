@@ -143,9 +143,11 @@ class ActorConfig:
     # KL's; k1's is zero in expectation. Not used by on_policy (its advantage is -k1).
     distill_kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     # How new weights reach the inference servers after each step: disk (a versioned
-    # safetensors folder each server reloads) or broadcast (a process group of trainer rank
-    # 0 and the servers, in buckets of weight_update_bucket_mb MiB; weights/broadcast.py).
-    weight_update_mode: Literal["disk", "broadcast"] = "disk"
+    # safetensors folder each server reloads), broadcast (a process group of trainer rank
+    # 0 and the servers, in buckets of weight_update_bucket_mb MiB; weights/broadcast.py) or
+    # ipc (trainer and server on one GPU, allocation_mode '<backend>:d1|fsdp:d1': the
+    # server copies the trainer's weights straight from its GPU memory; weights/ipc.py).
+    weight_update_mode: Literal["disk", "broadcast", "ipc"] = "disk"
     weight_update_bucket_mb: int = 256
     # Disk mode with the trainer inline: the servers load version N while the trainer trains
     # step N + 1; new episodes start under N once every server holds it, and the trainer
@@ -156,8 +158,8 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
-        _check(self.weight_update_mode in ("disk", "broadcast"),
-               f"actor.weight_update_mode must be one of ('disk', 'broadcast'), got "
+        _check(self.weight_update_mode in ("disk", "broadcast", "ipc"),
+               f"actor.weight_update_mode must be one of ('disk', 'broadcast', 'ipc'), got "
                f"{self.weight_update_mode!r}")
         _check(self.weight_update_bucket_mb >= 1,
                f"actor.weight_update_bucket_mb must be >= 1, got {self.weight_update_bucket_mb}")

@@ -166,6 +166,13 @@ class RolloutConfig:
     server_wait_timeout: float = 120.0
     # Appended to every server's command line (e.g. vLLM's ["--max-num-batched-tokens", "4096"]).
     server_args: list[str] = field(default_factory=list)
+    # GPU servers: the fraction of their GPU's memory each server may take (weights, KV cache,
+    # activations): vLLM's --gpu-memory-utilization, SGLang's --mem-fraction-static, and our
+    # engine's budget, from which it sizes its KV cache (fewer than local_engine.max_batch_size
+    # slots if they do not fit). With a colocated allocation_mode ('|') the trainer keeps the
+    # rest (its allocator is capped at 1 - this). null: 0.5 when colocated, else the backend's
+    # default (vLLM 0.9; ours: max_batch_size slots, no cap). Not for CPU servers.
+    gpu_memory_fraction: Optional[float] = None
     # Failed episodes (reward raised or timed out, malformed item) are logged and counted;
     # the run stops once more than this many have failed. -1: never stop for failures.
     max_failed_episodes: int = 16
@@ -203,6 +210,9 @@ class RolloutConfig:
                f"rollout.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts}")
         _check(self.n_servers is None or self.n_servers >= 1,
                f"rollout.n_servers must be >= 1 or null, got {self.n_servers}")
+        _check(self.gpu_memory_fraction is None or 0 < self.gpu_memory_fraction < 1,
+               f"rollout.gpu_memory_fraction must be in (0, 1) or null, got "
+               f"{self.gpu_memory_fraction}")
         _check(self.health_check_interval is None or self.health_check_interval > 0,
                f"rollout.health_check_interval must be > 0 or null, got {self.health_check_interval}")
         _check(self.dynamic_filter_fn is None or self.dynamic_sampling,
@@ -411,7 +421,9 @@ class ExperimentConfig:
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
     tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
     # AReaL's "<backend>:d<N>+fsdp:d<M>", e.g. "vllm:d2+fsdp:d1": sets rollout.backend and
-    # rollout.n_servers (which may then only repeat it) and the trainer world size M.
+    # rollout.n_servers (which may then only repeat it) and the trainer world size M. With
+    # "|" instead of "+" ("local:d1|fsdp:d1") server i and trainer rank i share GPU i: one
+    # GPU runs the whole run (config/allocation.py, docs/cluster.md).
     allocation_mode: Optional[str] = None
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -442,6 +454,7 @@ class ExperimentConfig:
                f"cluster.n_nodes={self.cluster.n_nodes} but scheduler.type=local runs on one "
                "machine; set cluster.n_nodes=1 or scheduler.type=ray|slurm")
         self._resolve_allocation()
+        self._check_weight_update()
         _check(self.scheduler.trainer != "inline" or
                (self.trainer_world_size == 1 and self.scheduler.type == "local"),
                f"scheduler.trainer=inline runs one trainer rank in this process under the local "
@@ -525,7 +538,13 @@ class ExperimentConfig:
                f"{budget}; lower actor.overlong_tokens")
 
     def _resolve_allocation(self) -> None:
-        """allocation_mode, when given, decides rollout.backend and n_servers; they must agree."""
+        """allocation_mode, when given, decides rollout.backend and n_servers; they must agree;
+        and the GPUs must hold it (NCCL refuses two trainer ranks on one GPU)."""
+        gpus = self.cluster.n_gpus_per_node * self.cluster.n_nodes
+        _check(gpus > 0 or self.rollout.gpu_memory_fraction is None,
+               f"rollout.gpu_memory_fraction={self.rollout.gpu_memory_fraction} is for GPU "
+               "servers but cluster.n_gpus_per_node=0 (a CPU machine); drop it, or set "
+               "cluster.n_gpus_per_node")
         if self.allocation_mode is None:
             self.rollout.backend = self.rollout.backend or "local"
             self.rollout.n_servers = self.rollout.n_servers or 1
@@ -537,11 +556,62 @@ class ExperimentConfig:
                    f"rollout.{key}={have} contradicts allocation_mode={self.allocation_mode!r} "
                    f"(which means {want}); drop rollout.{key} or make them agree")
         self.rollout.backend, self.rollout.n_servers = alloc.backend, alloc.n_servers
-        gpus = self.cluster.n_gpus_per_node * self.cluster.n_nodes
-        _check(gpus == 0 or alloc.n_servers + alloc.trainer_world_size <= gpus,
-               f"allocation_mode={self.allocation_mode!r} needs {alloc.n_servers} inference + "
-               f"{alloc.trainer_world_size} trainer GPUs but cluster.n_nodes x "
-               f"cluster.n_gpus_per_node = {gpus}")
+        mode, world = self.allocation_mode, alloc.trainer_world_size
+        if gpus and alloc.colocated:
+            _check(world <= gpus,
+                   f"allocation_mode={mode!r} puts {world} trainer ranks on "
+                   f"cluster.n_nodes x cluster.n_gpus_per_node = {gpus} GPU(s), and NCCL "
+                   f"refuses two ranks on one GPU; use at most d{gpus} on both sides "
+                   f"('{alloc.backend}:d{gpus}|fsdp:d{gpus}') or more GPUs")
+            _check(self.scheduler.type == "local",
+                   f"allocation_mode={mode!r} shares GPUs between servers and trainer ranks, "
+                   f"which scheduler.type=local places (not {self.scheduler.type}); use "
+                   "scheduler.type=local, or '+' for separate GPUs")
+            if self.rollout.gpu_memory_fraction is None:
+                self.rollout.gpu_memory_fraction = 0.5
+        elif gpus:
+            hint = (f"; to have servers and trainer ranks share {gpus} GPU(s), use "
+                    f"'{alloc.backend}:d{min(gpus, world)}|fsdp:d{min(gpus, world)}'"
+                    if alloc.n_servers + world > gpus else "")
+            _check(alloc.n_servers + world <= gpus,
+                   f"allocation_mode={mode!r} needs {alloc.n_servers} inference + "
+                   f"{world} trainer GPUs but cluster.n_nodes x "
+                   f"cluster.n_gpus_per_node = {gpus}{hint}")
+
+    @property
+    def colocated(self) -> bool:
+        """Servers and trainer ranks share GPUs (allocation_mode with '|', on GPUs)."""
+        return (self.cluster.n_gpus_per_node > 0 and self.allocation_mode is not None
+                and parse_allocation_mode(self.allocation_mode).colocated)
+
+    def _check_weight_update(self) -> None:
+        """What each actor.weight_update_mode needs of the placement."""
+        mode, backend = self.actor.weight_update_mode, self.rollout.backend
+        key = f"actor.weight_update_mode={mode}"
+        if mode == "broadcast":
+            # Ours receives over gloo (CPU buffers); vLLM and SGLang on GPUs over NCCL.
+            _check(not (self.colocated and backend != "local"),
+                   f"{key} with allocation_mode={self.allocation_mode!r}: {backend} receives "
+                   "the broadcast over NCCL, which refuses two ranks (trainer rank 0 and "
+                   "server 0) on one GPU; use actor.weight_update_mode=ipc or disk")
+            return
+        if mode != "ipc":
+            return
+        _check(self.cluster.n_gpus_per_node > 0,
+               f"{key} shares GPU memory by CUDA IPC, which a CPU machine "
+               "(cluster.n_gpus_per_node=0) has not; use actor.weight_update_mode=disk")
+        _check(backend in ("local", "vllm"),
+               f"{key}: the {backend} backend has no IPC weight update here; use "
+               "rollout.backend local or vllm, or actor.weight_update_mode=disk")
+        alloc = (parse_allocation_mode(self.allocation_mode)
+                 if self.allocation_mode is not None else None)
+        _check(alloc is not None and alloc.colocated and alloc.n_servers == 1,
+               f"{key} hands trainer rank 0's weights to a server on the same GPU: use "
+               f"allocation_mode='{backend}:d1|fsdp:d1' (got {self.allocation_mode!r}), or "
+               "actor.weight_update_mode=disk")
+        _check(self.scheduler.router != "service" and self.scheduler.weight_update != "service",
+               f"{key} runs from the controller's own client: set scheduler.router and "
+               "scheduler.weight_update to inline or auto")
 
     @property
     def trainer_world_size(self) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ import torch
 from asyncrl.api.cores import CoreShare
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.engine import memory
+from asyncrl.engine.memory import PREFILL_TOKEN_BUDGET
 from asyncrl.engine.model import DTYPES, Transformer, Weights, hf_shapes, mapped_checkpoint
 from asyncrl.engine.sampling import SamplingBatch, StopChecker, sample
 
@@ -48,9 +51,9 @@ logger = logging.getLogger(__name__)
 Callback = Callable[["GenerationResponse | BaseException"], None]
 # Called from the engine thread with (token id, log-prob, weight version) of each new token.
 TokenCallback = Callable[[int, float, int], None]
-# Padded tokens per prefill forward: bounds the pause that admitting requests imposes on
-# the sequences already decoding (and the activation memory of one prefill).
-PREFILL_TOKEN_BUDGET = 8192
+# PREFILL_TOKEN_BUDGET: padded tokens per prefill forward; bounds the pause that admitting
+# requests imposes on the sequences already decoding (and the activation memory of one
+# prefill, which memory.py reserves).
 # A prompt admitted with another that starts with the same tokens takes that prefix's keys
 # and values from it instead of computing them, from this many shared tokens on.
 MIN_SHARED_PREFIX = 8
@@ -103,15 +106,27 @@ class LocalEngine:
     """Continuous-batching generation on our own decoder, with interruptible weight updates."""
 
     def __init__(self, model_path: str, config: LocalEngineConfig | None = None, *, seed: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", gpu_memory_fraction: float | None = None,
+                 kv_budget_bytes: int | None = None):
+        """`gpu_memory_fraction` (CUDA): the share of the GPU this engine may take; its KV
+        cache gets what the weights and a step leave of it (memory.py). `kv_budget_bytes`:
+        the cache's bytes given directly (any device). Either may leave fewer slots than
+        `config.max_batch_size` (then `config.max_batch_size` is that number)."""
         from transformers import AutoTokenizer
 
         from asyncrl.models.hub import resolve_model_path
 
         self.config = config or LocalEngineConfig()
         self.model_path = resolve_model_path(model_path)
+        if gpu_memory_fraction is not None:
+            if torch.device(device).type != "cuda":
+                raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction} is for a CUDA "
+                                 f"device, not {device!r}")
+            # the allocator's cap: a step that needs more fails here, not in the trainer
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, torch.device(device))
         self.model = Transformer.from_pretrained(self.model_path, dtype=DTYPES[self.config.dtype],
                                                  max_seq_len=self.config.max_seq_len, device=device)
+        self._size_cache(device, gpu_memory_fraction, kv_budget_bytes)
         self.cache = self.model.new_cache(self.config.max_batch_size, self.config.max_seq_len)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer)
@@ -136,12 +151,35 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
         self._share: CoreShare | None = None  # set by `spawn`
 
+    def _size_cache(self, device: str, fraction: float | None, budget: int | None) -> None:
+        """Cut `config.max_batch_size` to the cache slots that fit the budget, if any."""
+        cfg, dtype, n = self.config, self.model.dtype, self.config.max_batch_size
+        what = f"kv_budget_bytes={budget}"
+        if budget is None and fraction is not None:
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            weights = sum(t.numel() * t.element_size() for t in self.model.w._storage)
+            reserve = memory.activation_reserve(self.model.cfg, dtype, n, cfg.max_seq_len)
+            budget = memory.kv_budget(fraction, total, weights, reserve)
+            what = (f"rollout.gpu_memory_fraction={fraction} of {total / 2**30:.1f} GiB, less "
+                    f"the weights twice ({2 * weights / 2**20:.0f} MiB) and a step's tensors "
+                    f"({reserve / 2**20:.0f} MiB),")
+        if budget is None:
+            return
+        slots = memory.kv_slots(budget, memory.kv_slot_bytes(self.model.cfg, dtype,
+                                                             cfg.max_seq_len), n, what=what)
+        if slots < n:
+            logger.warning("%s holds %d KV-cache slots of %d positions, fewer than "
+                           "local_engine.max_batch_size=%d: at most %d sequences decode at once",
+                           what.rstrip(","), slots, cfg.max_seq_len, n, slots)
+            self.config = dataclasses.replace(cfg, max_batch_size=slots)
+
     # ---- public API (any thread) -------------------------------------------------------
 
     @classmethod
     def spawn(cls, model_path: str, config: LocalEngineConfig | None = None, *, seed: int = 0,
               device: str = "cpu", threads: int | None = None,
-              share: CoreShare | None = None) -> LocalEngine:
+              share: CoreShare | None = None,
+              gpu_memory_fraction: float | None = None) -> LocalEngine:
         """Load the model in a new daemon thread and run the loop there (see the module doc).
 
         `share`: this server's part of a core share (api/cores.py): the loop is busy while
@@ -153,7 +191,8 @@ class LocalEngine:
             if threads:
                 torch.set_num_threads(threads)
             try:
-                engine = cls(model_path, config, seed=seed, device=device)
+                engine = cls(model_path, config, seed=seed, device=device,
+                             gpu_memory_fraction=gpu_memory_fraction)
             except BaseException as e:  # handed to the caller below
                 made.set_exception(e)
                 return

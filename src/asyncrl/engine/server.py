@@ -9,6 +9,10 @@ format): POST /init_weights_update_group joins the trainer's group, POST
 /update_weights_from_distributed receives every bucket and then serves the new weights
 under `weight_version` (all or nothing), POST /destroy_weights_update_group leaves it; GET
 /weights_checksum gives the served version and a sha256 of its weights.
+Weight sync by CUDA IPC (a trainer on this server's GPU; weights/ipc.py): POST
+/update_weights_from_ipc {layout fields, ipc_handle, weight_version} copies the trainer's
+shared buffer into the spare weights and serves them under `weight_version` (all or
+nothing); it answers once the copies have run, so the trainer may then rewrite its buffer.
 If $ASYNCRL_API_KEY is set, every endpoint but /health needs `Authorization: Bearer <key>`.
 Handlers never run model code: /generate awaits a future that the engine thread resolves
 (via call_soon_threadsafe); blocking engine calls run in the default executor.
@@ -41,7 +45,7 @@ from asyncrl.engine.model import CheckpointError, check_tensors, hf_shapes
 from asyncrl.services import openapi
 from asyncrl.services.http import serve_app
 from asyncrl.services.openai_api import PUBLIC_PATHS, OpenAIRoutes, key_matches, unauthorized
-from asyncrl.weights import transport
+from asyncrl.weights import ipc, transport
 
 logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = {f.name: f.type for f in fields(SamplingParams)}
@@ -154,6 +158,7 @@ class InferenceServer:
             web.post("/init_weights_update_group", self.init_weights_update_group),
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
+            web.post("/update_weights_from_ipc", self.update_weights_from_ipc),
             web.get("/weights_checksum", self.weights_checksum),
             web.get("/openapi.json", self.openapi),
         ])
@@ -161,6 +166,7 @@ class InferenceServer:
         self._groups: dict[str, tuple[Any, float]] = {}
         self._receiving = asyncio.Lock()
         self._buffers: list[torch.Tensor] = []  # receive buffers, kept for the next update
+        self.ipc = ipc.IpcImporter()  # the trainer's shared buffer, mapped (CUDA IPC)
         OpenAIRoutes(LocalBackend(engine), engine.tokenizer, model_name,
                      max_model_len=engine.config.max_seq_len).add_to(self.app)
 
@@ -302,6 +308,39 @@ class InferenceServer:
         tensors = transport.receive_buckets(group, layout, self._buffers, timeout)
         self.engine.load_weights(tensors, version)
 
+    async def update_weights_from_ipc(self, request: web.Request) -> web.Response:
+        """Copy the weights a trainer on this GPU shares by CUDA IPC and serve them as
+        `weight_version`; answered once the copies have run (the trainer's buffer is free)."""
+        body = await _json_body(request)
+        try:
+            layout, handle = ipc.parse_update(body)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        version = _version(body.get("weight_version"))
+        async with self._receiving:
+            try:
+                check_tensors(dict(zip(layout.names, layout.shapes)),
+                              hf_shapes(self.engine.model.cfg), "the IPC update's layout")
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._load_shared, layout, handle, version)
+            except (CheckpointError, ipc.IpcUnavailable) as e:
+                message = f"weight update to version {version} by CUDA IPC failed: {e}"
+                return _failure(400, message)
+            except RuntimeError as e:  # a CUDA error opening or reading the buffer
+                message = f"weight update to version {version} by CUDA IPC failed: {e}"
+                logger.warning("%s; still serving version %d", message, self.engine.version)
+                return _failure(500, message)
+        return web.json_response({"success": True, "version": self.engine.version,
+                                  "message": f"copied {len(layout.names)} tensors"})
+
+    def _load_shared(self, layout: transport.BucketLayout, handle: ipc.IpcHandle,
+                     version: int) -> None:
+        buffer = self.ipc.open(handle, self.engine.device)
+        try:
+            self.engine.load_weights(layout.unpack(0, buffer), version)
+        finally:
+            ipc.wait_for_copies(self.engine.device)  # before the trainer writes it again
+
     def _leave(self, name: str) -> None:
         """Forget group `name` and destroy it in the background (that may wait on a peer)."""
         entry = self._groups.pop(name, None)
@@ -323,7 +362,8 @@ class InferenceServer:
         return web.json_response(digest)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.model_name, **self.engine.stats()})
+        return web.json_response({"status": "ok", "model": self.model_name, **self.engine.stats(),
+                                  "kv_slots": self.engine.config.max_batch_size})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.engine.version})
@@ -332,18 +372,24 @@ class InferenceServer:
 async def run_server(engine: LocalEngine, *, host: str, port: int, model_name: str,
                      api_key: str | None, stop: asyncio.Event | None = None) -> None:
     """Serve `engine` until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
+    server = InferenceServer(engine, model_name=model_name, api_key=api_key)
+
     async def close_engine() -> None:
         engine.close()  # fails requests in flight, so their handlers answer before cleanup
+        server.ipc.close()  # the trainer's buffer, unmapped
 
-    app = InferenceServer(engine, model_name=model_name, api_key=api_key).app
+    app = server.app
     await serve_app(app, host=host, port=port, banner="asyncrl inference server",
                     before_cleanup=close_engine, stop=stop)
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
           config: LocalEngineConfig | None = None, seed: int = 0, threads: int | None = None,
-          api_key: str | None = None, device: str = "auto") -> None:
-    """Load `model` (a name or HF folder), start the engine and serve HTTP until signalled."""
+          api_key: str | None = None, device: str = "auto",
+          gpu_memory_fraction: float | None = None) -> None:
+    """Load `model` (a name or HF folder), start the engine and serve HTTP until signalled.
+
+    `gpu_memory_fraction` (CUDA): the engine's share of its GPU's memory (engine/memory.py)."""
     import torch
 
     if device == "auto":
@@ -353,7 +399,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000,
         if device == "cpu" else None
     # The model is loaded and run in the engine's thread; this one only serves HTTP.
     engine = LocalEngine.spawn(model, config, seed=seed, device=device, threads=threads,
-                               share=share)
+                               share=share, gpu_memory_fraction=gpu_memory_fraction)
     # Everything loaded so far lives as long as the server: keep the cyclic garbage
     # collector from walking it again on every collection (it showed up at ~2% of decode).
     gc.freeze()
@@ -376,7 +422,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="keep the stale KV cache of in-flight sequences after a weight update")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto: cuda if present")
-    return p.parse_args(argv)
+    p.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="CUDA: the share of the GPU's memory this server may take; the KV "
+                        "cache gets what weights and a step leave of it (fewer slots than "
+                        "--max-batch-size if they do not fit)")
+    args = p.parse_args(argv)
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction < 1:
+        p.error(f"--gpu-memory-fraction must be in (0, 1), got {args.gpu_memory_fraction}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -388,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                recompute_kv_on_update=not args.no_recompute_kv_on_update)
     serve(args.model, host=args.host, port=args.port, config=config, seed=args.seed,
           threads=args.threads, api_key=os.environ.get("ASYNCRL_API_KEY") or None,
-          device=args.device)
+          device=args.device, gpu_memory_fraction=args.gpu_memory_fraction)
 
 
 if __name__ == "__main__":

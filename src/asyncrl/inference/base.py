@@ -20,6 +20,11 @@ rank 0, joins at the same time), and `update_weights_from_distributed` pauses ev
 member, has it receive the trainer's buckets and serve them as version N, and resumes it,
 while the trainer broadcasts. A server that comes back after a broadcast holds no file to
 re-sync from: it stays out of routing and joins the group made for the next broadcast.
+
+Weight sync by CUDA IPC (weights/ipc.py; a trainer on the servers' GPU):
+`update_weights_from_ipc` pauses every server it can reach, has it copy the trainer's shared
+buffer and serve it as version N, and resumes it. As after a broadcast, a server that comes
+back in between waits out of routing for the next update, which takes it back.
 """
 
 from __future__ import annotations
@@ -81,6 +86,17 @@ class WeightBroadcast:
     group_name: str = GROUP_NAME
 
 
+@dataclass(frozen=True)
+class WeightIpc:
+    """A weight update that a server copies from the trainer's GPU memory (CUDA IPC).
+
+    `body`: the layout fields of SGLang's /update_weights_from_distributed body (one
+    bucket) and `ipc_handle`, the shared buffer (weights/ipc.py `IpcExporter.export`).
+    """
+
+    body: dict[str, Any]
+
+
 def normalise_address(address: str) -> str:
     """`host:port` or a URL, as a URL without a trailing slash."""
     address = address.rstrip("/")
@@ -135,9 +151,10 @@ class HTTPInferenceEngine:
         """Generate `req` on server `idx` (runs on the client loop)."""
         raise NotImplementedError
 
-    async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
-        """Pause, load `path` (or receive a broadcast) as `version`, resume on server `idx`;
-        WeightUpdateError if not."""
+    async def _update_one(self, idx: int, path: str | WeightBroadcast | WeightIpc,
+                          version: int) -> None:
+        """Pause, load `path` (or receive a broadcast, or copy the trainer's shared buffer)
+        as `version`, resume on server `idx`; WeightUpdateError if not."""
         raise NotImplementedError
 
     def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
@@ -219,6 +236,18 @@ class HTTPInferenceEngine:
         """
         broadcast = WeightBroadcast(layout, group_name)
         await self._on_client_loop(self._update_all_broadcast(broadcast, version))
+
+    async def update_weights_from_ipc(self, body: dict[str, Any], version: int) -> None:
+        """On every server that answers (those out of routing too): pause, copy the weights
+        the trainer shares by CUDA IPC (`body`: weights/ipc.py's update body) and serve them
+        as `version`, resume; the servers updated are in routing afterwards.
+
+        Each step is bounded by `update_weights_timeout`; the trainer must not write its
+        buffer before this returns. A failed update leaves our server with its old weights
+        and version (vLLM's: see its client), and WeightUpdateError names the servers, steps
+        and causes.
+        """
+        await self._on_client_loop(self._update_all_ipc(WeightIpc(body), version))
 
     async def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> None:
         """Best effort: have every member leave the group (a dead one is not waited for)."""
@@ -445,13 +474,36 @@ class HTTPInferenceEngine:
         if errors:
             raise WeightUpdateError("; ".join(str(e) for e in errors))
 
+    async def _update_all_ipc(self, update: WeightIpc, version: int) -> None:
+        self._start_health_task()
+        async with self._get_update_lock():
+            members = [self.addresses.index(a) for a in await self._reachable()]
+            if not members:
+                raise WeightUpdateError(f"weight update to version {version}: no inference "
+                                        f"server answers ({self._down_detail()})")
+            results = await self._gather([self._update_server(i, update, version)
+                                          for i in members])
+            done = [i for i, r in zip(members, results) if r is None]
+            if done:  # no folder to re-sync from: the others wait for the next update
+                self._synced, self._broadcast_version = None, version
+            for i in done:
+                if self._down.pop(i, None) is not None:
+                    logger.info("inference server %s is back in routing at version %d",
+                                self.addresses[i], version)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise WeightUpdateError("; ".join(str(e) for e in errors))
+
     async def _leave_group(self, group_name: str) -> None:
         members, self._group = self._group, []
         path, body = self._leave_request(group_name)
         await self._gather([self._request(self.addresses[i], path, body, retries=0,
                                           timeout=_PROBE_TIMEOUT_S) for i in members])
 
-    async def _update_server(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
+    async def _update_server(self, idx: int, path: str | WeightBroadcast | WeightIpc,
+                             version: int) -> None:
         if self.timeline is not None:
             self.timeline.begin(f"server {idx}", "load weights")
         try:
@@ -494,8 +546,9 @@ class HTTPInferenceEngine:
                 await self._update_one(idx, *self._synced)
                 held = self._synced[1]
             elif self._broadcast_version is not None and held != self._broadcast_version:
-                self._down[idx] = (f"back at weight version {held}, behind the broadcast "
-                                   f"{self._broadcast_version}; it rejoins with the next one")
+                self._down[idx] = (f"back at weight version {held}, behind version "
+                                   f"{self._broadcast_version} (broadcast or CUDA IPC: no "
+                                   "folder to load); it rejoins with the next update")
                 return
         except InferenceServerError as e:
             self._down[idx] = f"back, but re-sync failed: {e}"

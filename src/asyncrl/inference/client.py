@@ -3,7 +3,8 @@
 The server does the hard part: a weight update interrupts decoding in place and every token
 comes back tagged with its version, so a generation is one /generate call. A broadcast
 update is one /update_weights_from_distributed call that receives every bucket and swaps
-the weights in, with their version, only once all have come.
+the weights in, with their version, only once all have come; a CUDA IPC update is one
+/update_weights_from_ipc call that copies the trainer's shared buffer the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from asyncrl.inference.base import (
     InferenceServerError,
     ServerUnreachableError,
     WeightBroadcast,
+    WeightIpc,
     WeightUpdateError,
 )
 
@@ -33,9 +35,14 @@ class RemoteInferenceEngine(HTTPInferenceEngine):
                                    timeout=self.request_timeout)
         return GenerationResponse.from_dict(body)
 
-    async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
+    async def _update_one(self, idx: int, path: str | WeightBroadcast | WeightIpc,
+                          version: int) -> None:
         address, t = self.addresses[idx], self.update_weights_timeout
-        if isinstance(path, WeightBroadcast):
+        if isinstance(path, WeightIpc):
+            body = {**path.body, "weight_version": str(version)}
+            load = ("update_weights_from_ipc", lambda: self._request(
+                address, "/update_weights_from_ipc", body, timeout=t))
+        elif isinstance(path, WeightBroadcast):
             body = {**path.layout, "group_name": path.group_name, "weight_version": str(version)}
             load = ("update_weights_from_distributed", lambda: self._request(
                 address, "/update_weights_from_distributed", body, timeout=t))

@@ -22,14 +22,34 @@ Endpoints used (the server needs VLLM_SERVER_DEV_MODE=1 for /collective_rpc):
   is rank 1 + k. vLLM loads the packed buckets into the live model layer by layer as they
   come (its layerwise reload): a broadcast that fails half-way leaves a mix, so the
   client leaves that server paused, out of routing, until the next broadcast rejoins it.
+- CUDA IPC (a trainer on the server's GPU; the server is started with
+  --weight-transfer-config '{"backend": "ipc"}' and VLLM_ALLOW_INSECURE_SERIALIZATION=1):
+  POST /init_weight_transfer_engine {"init_info": {"packed": true}}, /start_weight_update,
+  /update_weights {"update_info": {"names", "dtype_names", "shapes", "tensor_sizes",
+  "ipc_handles_pickled"}} (`ipc_update_info`: our one shared buffer as vLLM's packed
+  chunk; the handle is {GPU UUID: torch's rebuild_cuda_tensor arguments}, pickled and
+  base64-encoded, as vLLM's HTTP client sends it), /finish_weight_update {"weight_version"}.
+  vLLM's IPC engine copies each tensor out of the buffer before loading it, so the trainer
+  may rewrite it once /finish_weight_update has answered. A failure half-way leaves the
+  server paused and out of routing, as a broadcast's does. This path needs a GPU: here
+  the request bodies are checked against vLLM's own parsing (its
+  IPCWeightTransferUpdateInfo and packed-buffer unpacking), not run.
 """
 
 from __future__ import annotations
 
+import base64
+import itertools
+import pickle
 from typing import Any
 
 from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
-from asyncrl.inference.base import InferenceServerError, WeightBroadcast, WeightUpdateError
+from asyncrl.inference.base import (
+    InferenceServerError,
+    WeightBroadcast,
+    WeightIpc,
+    WeightUpdateError,
+)
 from asyncrl.inference.resubmit import Piece, ResubmittingEngine
 
 
@@ -46,7 +66,7 @@ class VLLMInferenceEngine(ResubmittingEngine):
 
     async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
         address, t = self.addresses[idx], self.update_weights_timeout
-        if isinstance(path, WeightBroadcast):
+        if isinstance(path, (WeightBroadcast, WeightIpc)):
             await self._receive(idx, path, version)
             return
         rpc = {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": path}, "timeout": t}
@@ -58,22 +78,36 @@ class VLLMInferenceEngine(ResubmittingEngine):
             ("resume", lambda: self._request(address, "/resume", None, timeout=t)),
         ])
 
-    async def _receive(self, idx: int, broadcast: WeightBroadcast, version: int) -> None:
+    async def _receive(self, idx: int, update: WeightBroadcast | WeightIpc,
+                       version: int) -> None:
+        """Receive a broadcast, or copy the trainer's shared buffer, through vLLM's
+        weight-transfer routes between a pause and a resume."""
         address, t = self.addresses[idx], self.update_weights_timeout
+        how = "the broadcast" if isinstance(update, WeightBroadcast) else "the CUDA IPC buffer"
+        if isinstance(update, WeightIpc):
+            try:  # before the pause: a bad body leaves the server serving
+                info = ipc_update_info(update)
+            except ValueError as e:
+                raise WeightUpdateError(f"weight update to version {version} on {address}: "
+                                        f"{e}") from e
+        else:
+            info = update_info(update)
 
         def post(route: str, body: dict[str, Any] | None = None):
             return lambda: self._request(address, route, body, timeout=t)
 
         await self._update_steps(idx, version, [("pause", post("/pause?mode=abort"))])
         try:
+            if isinstance(update, WeightIpc):  # the importer decodes as packed
+                await post("/init_weight_transfer_engine", {"init_info": {"packed": True}})()
             await post("/start_weight_update")()
-            await post("/update_weights", {"update_info": update_info(broadcast)})()
+            await post("/update_weights", {"update_info": info})()
             await post("/finish_weight_update", {"weight_version": str(version)})()
         except InferenceServerError as e:
-            self._mark_down(idx, f"weights partly updated by a failed broadcast: {e}")
+            self._mark_down(idx, f"weights partly updated by a failed transfer: {e}")
             raise WeightUpdateError(f"weight update to version {version} failed on {address} "
-                                    f"while receiving the broadcast (left paused: its weights "
-                                    f"are partly updated): {e}") from e
+                                    f"while receiving {how} (left paused: its weights are "
+                                    f"partly updated): {e}") from e
         await self._update_steps(idx, version, [("resume", post("/resume"))])
 
     def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
@@ -107,6 +141,29 @@ def update_info(broadcast: WeightBroadcast) -> dict[str, Any]:
     layout = broadcast.layout
     return {"names": list(layout["names"]), "dtype_names": list(layout["dtypes"]),
             "shapes": [list(s) for s in layout["shapes"]]}
+
+
+def ipc_update_info(update: WeightIpc) -> dict[str, Any]:
+    """vLLM's packed IPC update info for our IPC body (weights/ipc.py): one chunk, the
+    tensors end to end from the buffer's first byte (vLLM splits it by `tensor_sizes`), and
+    the handle as {GPU UUID: rebuild_cuda_tensor's arguments}, pickled and base64-encoded
+    (`ipc_handles_pickled`, the form vLLM's HTTP route decodes). ValueError if not."""
+    from asyncrl.weights.ipc import parse_update  # torch: only where weights move
+    from asyncrl.weights.transport import DTYPES
+
+    layout, handle = parse_update(update.body)
+    sizes = [layout.nbytes(i) for i in range(len(layout.names))]
+    if list(layout.offsets) != list(itertools.accumulate(sizes[:-1], initial=0)):
+        raise ValueError("vLLM reads the tensors of a packed IPC buffer end to end from byte "
+                         "0, but this layout's offsets leave gaps")
+    for name, offset, dtype in zip(layout.names, layout.offsets, layout.dtypes):
+        if offset % DTYPES[dtype].itemsize:  # vLLM views each tensor in place
+            raise ValueError(f"{name} ({dtype}) starts at byte {offset}, which vLLM cannot "
+                             "view as its dtype; send the weights in one dtype")
+    pickled = pickle.dumps({handle.gpu_uuid: handle.rebuild_args()})
+    return {"names": list(layout.names), "dtype_names": list(layout.dtypes),
+            "shapes": [list(s) for s in layout.shapes], "tensor_sizes": sizes,
+            "ipc_handles_pickled": base64.b64encode(pickled).decode()}
 
 
 def completion_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:

@@ -76,13 +76,20 @@ def server_env(backend: str, host: str, device: str) -> dict[str, str]:
     return env
 
 
+# Each backend's flag for the share of its GPU's memory a server may take.
+MEMORY_FRACTION_FLAGS = {"local": "--gpu-memory-fraction", "vllm": "--gpu-memory-utilization",
+                         "sglang": "--mem-fraction-static"}
+
+
 def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig, *,
                    n_servers: int, seed: int, device: str = "cpu", cpus: int = 1,
-                   extra_args: Sequence[str] = (), cache_dir: str | None = None) -> WorkerSpec:
+                   extra_args: Sequence[str] = (), cache_dir: str | None = None,
+                   gpu_memory_fraction: float | None = None) -> WorkerSpec:
     """`n_servers` `backend` servers as the "inference" role; server i samples with seed + i.
 
     Each server runs `cpus` threads; `device` "cuda" also gives each one GPU (its scheduler
-    picks which), "cuda:<ids>" gives all of them <ids>.
+    picks which), "cuda:<ids>" gives all of them <ids>. `gpu_memory_fraction`: the share of
+    its GPU's memory each server may take (`rollout.gpu_memory_fraction`; GPU servers only).
     """
     if backend == "local":
         extra = ["--threads", "{cpus}", "--max-batch-size", str(engine_cfg.max_batch_size),
@@ -98,6 +105,12 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
         extra = ["--context-length", str(engine_cfg.max_seq_len),
                  "--max-running-requests", str(engine_cfg.max_batch_size)]
         seed_flag = "--random-seed"
+    if gpu_memory_fraction is not None:
+        _check(backend, device)
+        if device == "cpu":
+            raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction} is for GPU servers, "
+                             "but device is 'cpu'")
+        extra += [MEMORY_FRACTION_FLAGS[backend], str(gpu_memory_fraction)]
     argv = server_argv(backend, model_path, "{host}", "{port}", dtype=engine_cfg.dtype,
                        device=device)
     env = server_env(backend, "{host}", device)

@@ -68,6 +68,22 @@ def split_cores(cores: list[int], inference_threads: int | None, trainer_threads
     return [inference[i * per:(i + 1) * per] for i in range(n_servers)], trainer
 
 
+def visible_devices(gpus: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker given GPUs `gpus` of this process's GPUs: the same
+    physical GPUs this process sees as cuda:<i> (through its own CUDA_VISIBLE_DEVICES, if set),
+    so a worker on GPU 0 shares the inline trainer's cuda:0."""
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not mine:
+        return ",".join(map(str, gpus))
+    ids = [d.strip() for d in mine.split(",")]
+    missing = [g for g in gpus if g >= len(ids)]
+    if missing:
+        raise SchedulerError(f"GPUs {missing} are not among this process's "
+                             f"CUDA_VISIBLE_DEVICES={mine}; show it more GPUs or lower "
+                             "cluster.n_gpus_per_node")
+    return ",".join(ids[g] for g in gpus)
+
+
 @dataclass
 class _Proc:
     """A started worker and what it takes to start it again."""
@@ -122,7 +138,7 @@ class LocalScheduler:
             for i in range(spec.count):
                 env = dict(rank_env[i])
                 if gpus[i]:
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[i]))
+                    env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus[i])
                 self.procs[spec.role].append(self._spawn(spec, i, cores[i], env,
                                                            spec.pick_port(HOST)))
         except BaseException:

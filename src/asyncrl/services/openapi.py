@@ -167,5 +167,8 @@ def training_service(*, api_key: bool) -> dict[str, Any]:
             "bucket_bytes": {"type": "integer", "minimum": 1}}, ["bucket_bytes"]),
         "/weights/broadcast": _post("send the gathered buckets", {}),
         "/weights/close": _post("leave the weight-update group", {}),
+        "/weights/ipc": _post("the weights in a GPU buffer shared by CUDA IPC (GPU ranks)", {
+            "dtype": {"type": "string", "enum": ["bfloat16", "float16", "float32"]}},
+            ["dtype"]),
         "/destroy": _post("free the engines and the process group", {}),
     }, api_key=api_key)

@@ -22,6 +22,8 @@ same order):
     POST /weights/broadcast           rank 0 sends the buckets (bounded by the timeout)
     POST /weights/close               leave the broadcast group
     POST /weights/free_port {host}    a port free on this rank's host (the rendezvous's)
+    POST /weights/ipc {dtype}         one rank: its weights in a GPU buffer shared by CUDA
+                                      IPC; the body of a server's IPC update (weights/ipc.py)
 
 Control is JSON; a batch travels as the bytes of a safetensors file of the `TensorBatch`
 fields (`encode_batch`), never as JSON numbers. When every rank is on the client's host the
@@ -164,6 +166,7 @@ class TrainingService:
             web.post("/weights/broadcast", self.weights_broadcast),
             web.post("/weights/close", self.weights_close),
             web.post("/weights/free_port", self.weights_free_port),
+            web.post("/weights/ipc", self.weights_ipc),
         ])
         self.sender = None  # weights.broadcast.WeightSender, made by /weights/connect
 
@@ -284,6 +287,17 @@ class TrainingService:
         if self.sender is not None:
             self.sender.close()
         return web.json_response({"ok": True})
+
+    async def weights_ipc(self, request: web.Request) -> web.Response:
+        self._require_initialized()
+        from asyncrl.weights.ipc import IpcUnavailable
+
+        dtype = _str(await _json(request), "dtype")
+        _dtype(dtype)  # one of ours, else 400
+        try:
+            return web.json_response(await self._run(self.worker.ipc_weights, dtype))
+        except IpcUnavailable as err:  # a CPU rank: the request cannot be met here
+            raise ValueError(str(err)) from None
 
     def _path(self, body: dict[str, Any]) -> str:
         """The body's `path`, which must lie under the runs' folder."""
@@ -425,6 +439,10 @@ class TrainingClient:
 
     def info(self) -> dict[str, Any]:
         return json.loads(self._all("/info"))
+
+    def ipc_weights(self, dtype: str) -> dict[str, Any]:
+        """Rank 0's weights shared by CUDA IPC (one rank: weight_update_mode=ipc)."""
+        return self._rank0("/weights/ipc", {"dtype": dtype})
 
     def weight_sender(self, backend: str, dtype: str) -> tuple[RemoteWeightSender, str]:
         """The broadcast's trainer side (rank 0 hosts the group) and rank 0's host."""

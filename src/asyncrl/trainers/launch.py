@@ -14,7 +14,9 @@ and takes an API key made for the run):
 - `weight_update`: the process that carries each version from the trainer ranks to the
   servers (`services/weight_update.py`), unless the controller does (`scheduler.weight_update`:
   auto is a service off the local scheduler when the trainer ranks are one).
-On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after).
+On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after);
+colocated (allocation_mode with '|') server i and rank i share GPU i, each with its share of
+the GPU's memory (`rollout.gpu_memory_fraction`; the trainer keeps the rest).
 On a CPU machine the local scheduler splits the cores between the servers and the trainer
 (`scheduler.inference_threads` / `trainer_threads`, totals); under Ray and Slurm those two
 keys are the cores of each server and of each rank.
@@ -162,9 +164,12 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     device = cfg.cluster.device
     local = isinstance(scheduler, LocalScheduler)
     service = trainer_in_service(cfg)
+    colocated = cfg.colocated
     extra = list(cfg.rollout.server_args)
-    if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "broadcast":
-        extra += ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's receive side
+    if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode in ("broadcast", "ipc"):
+        # vLLM's receive side: its NCCL group, or its CUDA IPC importer
+        backend = {"broadcast": "nccl", "ipc": "ipc"}[cfg.actor.weight_update_mode]
+        extra += ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
     # Off the local machine the servers bind their node's address: they take a key.
     inference_key = None if local else secrets.token_hex(16)
     if inference_key is not None and cfg.rollout.backend != "local":
@@ -173,16 +178,23 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         cfg.rollout.backend, resolve_model_path(cfg.actor.path), cfg.local_engine,
         n_servers=n_servers, seed=cfg.seed, device=device,
         cpus=cfg.scheduler.inference_threads or 1, extra_args=extra,
-        cache_dir=str(paths.logs / "vllm-cache"))
+        cache_dir=str(paths.logs / "vllm-cache"),
+        gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None)
+    if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "ipc":
+        # vLLM takes the IPC handles pickled (its HTTP form); the servers bind 127.0.0.1
+        # (ipc needs the local scheduler), so only this machine's processes can send them.
+        servers.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     trainer_cores: list[int] = []
     if local:
         if device == "cpu":
             servers.cores, trainer_cores = split_cores(
                 sorted(os.sched_getaffinity(0)), cfg.scheduler.inference_threads,
                 cfg.scheduler.trainer_threads, n_servers)
-        else:  # GPUs 0..M-1 train (inline: GPU 0), the servers take the next ones
+        else:  # GPUs 0..M-1 train (inline: GPU 0); the servers take the next ones, or
+            # colocated the same ones (server i beside rank i)
             servers.cores = [[] for _ in range(n_servers)]
-            servers.gpu_ids = [[world + i] for i in range(n_servers)]
+            first = 0 if colocated else world
+            servers.gpu_ids = [[first + i] for i in range(n_servers)]
     if inference_key is not None and cfg.rollout.backend == "local":
         servers.env["ASYNCRL_API_KEY"] = inference_key
     shared = None  # the cores trainer and servers lend each other (scheduler.share_cores)
@@ -191,9 +203,12 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         shared = sorted(os.sched_getaffinity(0))
         servers.affinity = shared
         servers.env[CORE_SHARE_ENV] = f"{scheduler.open_core_share()},{{index}}"
-    # Alone with an inline trainer, the local servers start while the trainer loads.
+    # Alone with an inline trainer, the local servers start while the trainer loads; vLLM
+    # and SGLang on a shared GPU first, as they size their KV cache from the memory free on
+    # start (ours from the GPU's total).
     defer = (local and not service and not in_service(cfg, cfg.scheduler.router)
-             and not (cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent)))
+             and not (cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent))
+             and not (colocated and cfg.rollout.backend != "local"))
     if defer:
         assert isinstance(scheduler, LocalScheduler)
         workers = scheduler.create_workers(servers, wait=False)

@@ -515,6 +515,18 @@ class FSDPTrainEngine:
         return checkpoint.full_state_dict(self._require_model(), prefix=HF_PREFIX,
                                           drop=self._tied, dtype=dtype)
 
+    def device_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Full weights under HF names, in `dtype`, on this rank's device, tied aliases left
+        out: the bf16 compute copies themselves where they are current, else cast copies.
+        One unsharded rank only (the weights a colocated server copies by CUDA IPC)."""
+        model = self._require_model()
+        if self.world_size != 1 or isinstance(model, FSDPModule):
+            raise RuntimeError(f"device_state_dict needs one unsharded rank (world size "
+                               f"{self.world_size}); gather with hf_state_dict instead")
+        fresh = self._compute_weights.fresh() if self._compute_weights is not None else None
+        return checkpoint.full_state_dict(model, prefix=HF_PREFIX, drop=self._tied,
+                                          dtype=dtype, ready=fresh or {})
+
     def save_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
         """Full weights (master fp32, or `dtype`), config and tokenizer as an HF folder.
 

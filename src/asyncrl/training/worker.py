@@ -28,6 +28,7 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config import ExperimentConfig
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
+from asyncrl.training.dist import local_device
 from asyncrl.training.engine import FSDPTrainEngine
 from asyncrl.training.frozen import check_teacher_vocab, make_ref_engine, make_teacher_engine
 from asyncrl.training.updates import train_epochs
@@ -44,6 +45,7 @@ class RLWorker:
         self.ref: FSDPTrainEngine | None = None
         self.teacher: FSDPTrainEngine | None = None
         self.critic = None  # trainers.critic.Critic when cfg.critic is set
+        self._ipc = None  # weights.ipc.IpcExporter, made by the first ipc_weights
         actor = cfg.actor
         # One optimiser step per batch: the proximal log-probs come from the training forward.
         self.prox_in_loss = actor.recompute_logprob and actor.updates_per_batch == 1
@@ -60,6 +62,11 @@ class RLWorker:
         from asyncrl.trainers.critic import Critic
 
         cfg = self.cfg
+        if cfg.colocated and torch.cuda.is_available():
+            # The GPU's other share is the colocated server's (rollout.gpu_memory_fraction):
+            # past it this rank's allocator fails here rather than starve the server.
+            torch.cuda.set_per_process_memory_fraction(1 - cfg.rollout.gpu_memory_fraction,
+                                                       local_device())
         # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
         self.actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor, device=cfg.cluster.device),
                                      seed=cfg.seed,
@@ -117,6 +124,20 @@ class RLWorker:
         """The actor's full weights under HF names on rank 0 (a collective; broadcast sync)."""
         return self._require_actor().hf_state_dict(dtype)
 
+    def ipc_weights(self, dtype: str) -> dict[str, Any]:
+        """The actor's weights in `dtype` in one GPU buffer shared by CUDA IPC: the body of a
+        server's IPC update (weights/ipc.py). The buffer is rewritten by the next call, so
+        every server must have copied it by then (the publish waits for them)."""
+        from asyncrl.weights.ipc import IpcExporter, IpcUnavailable
+
+        actor = self._require_actor()
+        if actor.device.type != "cuda":
+            raise IpcUnavailable(f"this trainer rank runs on {actor.device}: CUDA IPC shares "
+                                 "GPU memory; use actor.weight_update_mode=disk")
+        if self._ipc is None:
+            self._ipc = IpcExporter()
+        return self._ipc.export(actor.device_state_dict(getattr(torch, dtype)))
+
     def weight_sender(self, backend: str, dtype: str) -> tuple[Any, str]:
         """The broadcast's trainer side in this process (rank 0), and its host."""
         from asyncrl.weights.broadcast import WeightSender
@@ -147,6 +168,8 @@ class RLWorker:
 
     def destroy(self) -> None:
         """Free every engine; the actor last, as it owns the process group."""
+        if self._ipc is not None:
+            self._ipc.close()
         critic = self.critic.engine if self.critic is not None else None
         for engine in (self.ref, self.teacher, critic):
             if engine is not None:
