@@ -397,6 +397,9 @@ def grpo_step(args: argparse.Namespace, runner: Runner, plan: Plan, built: dict,
     if not (HERE / "grpo_one_gpu.py").is_file():
         return Step(name=name, shape=SHAPES[0], status="not available",
                     error="benchmarks/gpu/grpo_one_gpu.py is absent")
+    if sync == "ipc" and args.device == "cpu":
+        return Step(name=name, shape=SHAPES[0], status="skipped",
+                    error="CUDA IPC needs a GPU (actor.weight_update_mode=ipc)")
     path = built.get(SHAPES[0], {}).get("path")
     if path is None or not timeout:
         return Step(name=name, shape=SHAPES[0], status="skipped",
