@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -62,6 +63,16 @@ SHAPES = {
 def text_hash_reward(completion: str, item: dict) -> float:
     """A deterministic reward in [0, 1) that differs between almost any two completions."""
     return (zlib.crc32(completion.encode()) % 1000) / 1000
+
+
+def addition_items(size: int, seed: int) -> list[dict]:
+    """Two-digit additions (no data files or task packages on the machine that runs this)."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(size):
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        items.append({"id": f"add-{i}", "question": f"What is {a} + {b}?", "answer": str(a + b)})
+    return items
 
 
 class _GapTrainer(RLTrainer):
@@ -116,7 +127,7 @@ def _config(device: str, model_dir: str, out_dir: str, steps: int, sync: str,
         "allocation_mode=local:d1|fsdp:d1", f"actor.weight_update_mode={sync}",
         "actor.dtype=bfloat16", "local_engine.dtype=bfloat16", "actor.optimizer.lr=1e-4",
         "gconfig.temperature=1.0", "actor.temperature=1.0",
-        "train_dataset.path=reasoning_gym:basic_arithmetic", "train_dataset.size=512",
+        "train_dataset.path=python:grpo_one_gpu:addition_items", "train_dataset.size=512",
         "rollout.max_head_offpolicyness=1", f"total_train_steps={steps}",
         "workflow.reward_fn=grpo_one_gpu:text_hash_reward",
         "stats_logger.progress_bar=false", "stats_logger.plot=false",

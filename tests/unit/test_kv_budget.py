@@ -104,3 +104,30 @@ def test_a_cuda_engine_sizes_its_cache_from_its_share_of_the_gpu(tiny_path):
         assert len(done[0].output_ids) == 4
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_a_gpu_share_caps_the_allocator_on_an_indexed_device(tiny_path, monkeypatch):
+    """torch wants a device index for the cap: "cuda" is the current device (found on a GPU:
+    torch.device("cuda") was refused)."""
+    from torch._utils import _get_device_index
+
+    from asyncrl.engine import engine as engine_module
+
+    caps = []
+
+    def cap(fraction, device):
+        caps.append((fraction, _get_device_index(device)))  # torch's own check of the device
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(engine_module.Transformer, "from_pretrained", stop)
+    for device, index in (("cuda", 2), ("cuda:1", 1)):
+        with pytest.raises(Loaded):
+            LocalEngine(tiny_path, LocalEngineConfig(), device=device, gpu_memory_fraction=0.4)
+        assert caps[-1] == (0.4, index)

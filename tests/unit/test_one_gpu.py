@@ -242,3 +242,28 @@ def test_workers_see_the_gpus_this_process_sees_as_theirs(tmp_path, tiny_path, m
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
         _started(tmp_path, tiny_path, "allocation_mode=local:d1+fsdp:d1",
                  "cluster.n_gpus_per_node=2")
+
+
+def test_a_colocated_cuda_rank_caps_its_allocator_on_its_own_gpu(monkeypatch):
+    """The trainer rank's share of the GPU is set for the config's device (its GPU), not
+    from what the host has (the first run on a GPU found the call without a device)."""
+    import torch
+
+    from asyncrl.training import worker
+
+    cfg = _load("allocation_mode=local:d1|fsdp:d1", *ONE_GPU, "rollout.gpu_memory_fraction=0.3")
+    calls = []
+    monkeypatch.setattr(worker, "local_device", lambda device: calls.append(device) or 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, index: calls.append((fraction, index)))
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(worker, "FSDPTrainEngine", stop)
+    with pytest.raises(Loaded):
+        worker.RLWorker(cfg).initialize(total_steps=1)
+    assert calls == ["cuda", (pytest.approx(0.7), 0)]

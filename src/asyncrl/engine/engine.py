@@ -123,7 +123,9 @@ class LocalEngine:
                 raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction} is for a CUDA "
                                  f"device, not {device!r}")
             # the allocator's cap: a step that needs more fails here, not in the trainer
-            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, torch.device(device))
+            index = torch.device(device).index
+            torch.cuda.set_per_process_memory_fraction(
+                gpu_memory_fraction, torch.cuda.current_device() if index is None else index)
         self.model = Transformer.from_pretrained(self.model_path, dtype=DTYPES[self.config.dtype],
                                                  max_seq_len=self.config.max_seq_len, device=device)
         self._size_cache(device, gpu_memory_fraction, kv_budget_bytes)

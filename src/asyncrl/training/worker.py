@@ -62,11 +62,11 @@ class RLWorker:
         from asyncrl.trainers.critic import Critic
 
         cfg = self.cfg
-        if cfg.colocated and torch.cuda.is_available():
+        if cfg.colocated and cfg.cluster.device == "cuda":
             # The GPU's other share is the colocated server's (rollout.gpu_memory_fraction):
             # past it this rank's allocator fails here rather than starve the server.
             torch.cuda.set_per_process_memory_fraction(1 - cfg.rollout.gpu_memory_fraction,
-                                                       local_device())
+                                                       local_device(cfg.cluster.device))
         # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
         self.actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor, device=cfg.cluster.device),
                                      seed=cfg.seed,
