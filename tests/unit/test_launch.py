@@ -17,7 +17,7 @@ def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
     assert argv[argv.index("--port") + 1] == "8001" and argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "4"]
-    # seeded requests need whole prefills on CPU (docs/reliability.md)
+    # seeded requests need whole prefills on CPU (docs/guides/reliability.md)
     assert "--no-enable-chunked-prefill" in argv
     assert argv[argv.index("--worker-extension-cls") + 1] == (
         "asyncrl.engine.vllm_worker.WeightSyncExtension")

@@ -1,7 +1,7 @@
 """The RL algorithm's sections: the actor (policy loss, rewards, advantages, KL,
 distillation) and the models beside it (reference, critic, teacher).
 
-Each key is documented where it is declared; docs/algorithms.md has the formulas.
+Each key is documented where it is declared; docs/guides/algorithms.md has the formulas.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ class WorkflowConfig:
 
 @dataclass(kw_only=True)
 class AgentConfig:
-    """Agents trained through the agent proxy (workflow.type=agent); see docs/agents.md."""
+    """Agents trained through the agent proxy (workflow.type=agent); see docs/guides/agents.md."""
 
     # inline: `fn` is called in the rollout loop; subprocess: `command` runs per session;
     # online: outside clients start sessions themselves (POST /rl/start_session).
@@ -423,7 +423,7 @@ class ExperimentConfig:
     # AReaL's "<backend>:d<N>+fsdp:d<M>", e.g. "vllm:d2+fsdp:d1": sets rollout.backend and
     # rollout.n_servers (which may then only repeat it) and the trainer world size M. With
     # "|" instead of "+" ("local:d1|fsdp:d1") server i and trainer rank i share GPU i: one
-    # GPU runs the whole run (config/allocation.py, docs/cluster.md).
+    # GPU runs the whole run (config/allocation.py, docs/guides/gpus-and-clusters.md).
     allocation_mode: Optional[str] = None
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

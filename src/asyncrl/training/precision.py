@@ -27,10 +27,9 @@ bf16 scratch, and the input embedding's backward adds its rows there with `index
 rounded it to bf16, built the lookup's dense [V, H] gradient, summed the two in bf16 and
 added that to the master: five fresh embedding-sized tensors per micro-batch, several
 hundred ms of a ~4.3 s quickstart-shaped step at one thread in a profile, mostly page
-faults (with the other gradient passes of this stop: backward 2.1-2.4 -> 1.7-1.8 s,
-`docs/training.md`). The two uses now meet in fp32 (Megatron's
-`main_grad`, for the same reason), so the embedding's gradient differs from FSDP2's by its
-bf16 roundings and every other gradient is unchanged.
+faults. The two uses now meet in fp32 (Megatron's `main_grad`, for the same reason), so
+the embedding's gradient differs from FSDP2's by its bf16 roundings and every other
+gradient is unchanged.
 """
 
 from __future__ import annotations
