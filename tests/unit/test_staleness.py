@@ -1,4 +1,4 @@
-"""The staleness rule of DESIGN.md §5, case by case (numbers by hand)."""
+"""The staleness rule of docs/architecture.md, case by case (numbers by hand)."""
 
 import pytest
 

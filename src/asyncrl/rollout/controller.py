@@ -9,8 +9,9 @@ outlive its bound. An episode started at version s must be trained by step s + e
 deadline). `next_batch()` at version k takes the B oldest finished episodes only if what is
 left can still meet every deadline: nothing left due at k, and for each k < j < k + eta at
 most (j - k) * B left episodes due by j. Later deadlines are met by construction: the
-admission rule of DESIGN.md §5 allows at most (j + 1) * B episodes due by j, ever. Otherwise
-it waits for the stragglers. So every trajectory of every batch has k - start_version <= eta.
+admission rule (docs/architecture.md, Staleness) allows at most (j + 1) * B episodes due by
+j, ever. Otherwise it waits for the stragglers. So every trajectory of every batch has
+k - start_version <= eta.
 
 How far ahead (`admission`). "bound" (AReaL's rule) starts episodes as far ahead as eta
 allows. Where generation outruns training (a small model, or cores the two share), that

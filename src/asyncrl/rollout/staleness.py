@@ -1,4 +1,4 @@
-"""The staleness bound (DESIGN.md §5).
+"""The staleness bound (docs/architecture.md, Staleness).
 
 B = consumer batch size (episodes per training step), v = current weight version,
 eta = max_head_offpolicyness. A new episode may start only while
