@@ -12,10 +12,10 @@ PYTHON ?= python3
 GPU ?=
 ifeq ($(GPU),vllm)
 TORCH := vllm==0.32.0
-EXTRAS ?= test,agents,ray,track
+EXTRAS ?= test,docs,agents,ray,track
 else ifeq ($(GPU),sglang)
 TORCH := sglang==0.5.23
-EXTRAS ?= test,ray,track
+EXTRAS ?= test,docs,ray,track
 else ifneq ($(GPU),)
 $(error GPU=$(GPU): use GPU=vllm, GPU=sglang, or leave GPU unset for the CPU build)
 endif
@@ -25,7 +25,8 @@ TORCH ?= torch==2.13.0
 # tests on the CPU; GPU=vllm installs vLLM itself instead).
 # `agents`: the agent examples' libraries (OpenAI Agents SDK, mini-swe-agent, bm25s).
 # `ray`: the Ray scheduler. `track`: the W&B and SwanLab loggers (their offline tests).
-EXTRAS ?= test,vllm,agents,ray,track
+# `docs`: MkDocs Material, which builds the documentation site in `make test`.
+EXTRAS ?= test,docs,vllm,agents,ray,track
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -51,9 +52,11 @@ venv: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/asyncrl quickstart $(ARGS)
 
+# The docs site is built first (into build/site/): with --strict a broken link fails.
 # Ray binds every interface: its tests run in a private network namespace where only the
 # loopback interface exists (root or user namespaces needed; skipped, with a note, if not).
 test: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d build/site
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	@if unshare --net true 2>/dev/null; then \
 		RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 unshare --net sh -c \
