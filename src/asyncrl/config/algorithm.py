@@ -18,9 +18,13 @@ NormLevel = Literal["batch", "group", "none"]
 class NormConfig:
     """Normalisation of rewards or advantages: subtract a mean, divide by a std."""
 
+    # Subtract the mean of each group (a prompt's samples), of the whole batch, or none.
     mean_level: NormLevel = "group"
+    # Divide by the std of each group, of the whole batch, or none (no division); the std is
+    # taken around that level's own mean.
     std_level: NormLevel = "group"
     group_size: Optional[int] = None  # samples per group; None: gconfig.n_samples
+    # Added to the std before dividing: (x - mean) / (std + eps).
     eps: float = 1e-5
     # RLOO: each sample's mean leaves that sample out, (sum - x_i) / (n - 1).
     mean_leave1out: bool = False
@@ -49,6 +53,7 @@ class RejectionSamplingConfig:
     # mask: drop tokens (or whole sequences) whose w lies outside [lower, upper].
     # clamp: keep them, with w clipped into [lower, upper].
     action: Literal["mask", "clamp"] = "mask"
+    # The upper bound of w; must be > 1 (on-policy tokens have w = 1).
     upper: float = 5.0
     lower: Optional[float] = None  # null: no lower bound
 
@@ -69,26 +74,36 @@ class RejectionSamplingConfig:
 @dataclass(kw_only=True)
 class ActorConfig:
     path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
+    # Train from random weights of path's architecture (seeded by `seed`; the reference gets
+    # the same) instead of path's weights. The servers start from path's weights until the
+    # first publish.
     init_from_scratch: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    # Recompute activations in the backward pass instead of keeping them (HF gradient
+    # checkpointing, non-reentrant): less memory, more compute.
     gradient_checkpointing: bool = False
     # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
     # once per micro-batch, as a token trie with exact gradients (training/prefix.py); the
     # reference and teacher log-probs follow this switch.
     shared_prefix: bool = False
+    # How each training batch is cut into forward/backward micro-batches.
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    # The actor's AdamW and lr schedule (which counts ppo_n_minibatches * ppo_epochs steps per
+    # batch).
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # The temperature the behaviour log-probs were computed at (logits / T).
     temperature: float = 1.0
     eps_clip: float = 0.2  # PPO clip: ratio in [1 - eps_clip, 1 + eps_clip_higher]
     eps_clip_higher: Optional[float] = None  # None: eps_clip (symmetric)
     reward_scaling: float = 1.0  # r <- (r + reward_bias) * reward_scaling
+    # Added to each reward before reward_scaling multiplies it (see above).
     reward_bias: float = 0.0
     reward_clip: Optional[float] = None  # clip the shaped reward to [-c, c]; None: no clip
     # DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_tokens
     # loses overlong_penalty_factor * (excess / overlong_tokens) of reward (before shaping).
     overlong_reward_penalty: bool = False
     overlong_tokens: Optional[int] = None  # the penalty window; needed when the penalty is on
+    # The penalty at the end of the budget: a completion of max_new_tokens tokens loses this.
     overlong_penalty_factor: float = 1.0
     max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens (filled when loaded)
     reward_norm: Optional[NormConfig] = field(default_factory=NormConfig)
@@ -131,12 +146,16 @@ class ActorConfig:
     # lambda, over the completion tokens. With a critic, advantages are GAE over its values;
     # without, over values of 0 (gamma = lambda = 1 is the sequence reward on every token).
     discount: float = 1.0
+    # GAE's lambda (see discount): 1 is the return minus the value (no bias), 0 the one-step
+    # TD error (the value's bias, least variance).
     gae_lambda: float = 1.0
     # Distillation from the `teacher` model on the student's own samples. 0: off, and no
     # teacher is loaded. kl_loss: + distill_coef * agg(k(d)) in the loss, d = logp -
     # teacher_logp, beside the RL objective. on_policy: pure on-policy distillation, the
     # per-token advantage is -distill_coef * (behaviour logp - teacher logp); rewards unused.
     distill_coef: float = 0.0
+    # kl_loss or on_policy (see distill_coef): a KL term beside the RL loss, or the teacher's
+    # per-token signal as the advantages.
     distill_mode: Literal["kl_loss", "on_policy"] = "kl_loss"
     # The loss term's estimator of KL(student || teacher) from d (as kl_estimator). On the
     # student's samples the gradient of k2 is that of the reverse KL; k3's is the forward
@@ -148,6 +167,8 @@ class ActorConfig:
     # ipc (trainer and server on one GPU, allocation_mode '<backend>:d1|fsdp:d1': the
     # server copies the trainer's weights straight from its GPU memory; weights/ipc.py).
     weight_update_mode: Literal["disk", "broadcast", "ipc"] = "disk"
+    # broadcast mode: the weights go out in buckets of about this many MiB (a bucket ends with
+    # the tensor that passes it). Larger: fewer collective calls, bigger buffers.
     weight_update_bucket_mb: int = 256
     # Disk mode with the trainer inline: the servers load version N while the trainer trains
     # step N + 1; new episodes start under N once every server holds it, and the trainer
@@ -268,8 +289,11 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference model of the KL term (loaded only when actor.kl_ctl > 0)."""
 
+    # The reference model: HF folder, HF hub id, or a named small model; default: the actor's
+    # starting model (with actor.init_from_scratch, the same random weights).
     path: str = "${actor.path}"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype of its forward
+    # Micro-batches of its forward over each training batch.
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
 
 
@@ -282,12 +306,20 @@ class CriticConfig:
     actor.gae_lambda). A critic saved by a run is an HF folder it can start from.
     """
 
+    # The model the critic starts from (HF folder, HF hub id, or a named small model); default:
+    # the actor's.
     path: str = "${actor.path}"
+    # Random weights of path's architecture, head included (seeded by `seed`).
     init_from_scratch: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    # Recompute activations in the backward pass instead of keeping them: less memory, more
+    # compute.
     gradient_checkpointing: bool = False
     shared_prefix: bool = False  # as actor.shared_prefix
+    # How each training batch is cut into forward/backward micro-batches.
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    # The critic's own AdamW and lr schedule (which counts ppo_n_minibatches * actor.ppo_epochs
+    # steps per batch).
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # Value clipping (AReaL's critic.eps_clip): the clipped prediction is
     # V_old + clip(V - V_old, -eps_clip, eps_clip); the loss is the worse of the two
@@ -313,4 +345,5 @@ class TeacherConfig:
 
     path: str = ""  # HF folder, HF hub id, or a named small model
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype of its forward
+    # Micro-batches of its forward over each training batch.
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)

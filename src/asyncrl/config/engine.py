@@ -19,11 +19,18 @@ def _check(cond: bool, msg: str) -> None:
 @dataclass(kw_only=True)
 class OptimizerConfig:
     type: Literal["adam"] = "adam"  # AdamW (decoupled weight decay)
+    # Peak learning rate: reached after the warmup, then kept or decayed (lr_scheduler_type).
     lr: float = 1e-6
+    # AdamW's decoupled weight decay, on every parameter (0: none).
     weight_decay: float = 0.0
+    # AdamW's decay rate of the gradient's running mean.
     beta1: float = 0.9
+    # AdamW's decay rate of the squared gradient's running mean.
     beta2: float = 0.999
+    # Added to AdamW's denominator (the root of the second moment).
     eps: float = 1e-8
+    # After the warmup: a constant lr, or linear or cosine decay from lr towards
+    # min_lr_ratio * lr over the run's optimiser steps.
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps_proportion: float = 0.0  # of the total training steps
     min_lr_ratio: float = 0.0  # the final lr of linear/cosine decay, as a fraction of lr

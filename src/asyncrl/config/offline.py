@@ -38,10 +38,15 @@ class TrainEngineConfig:
     """The trained model: what `FSDPTrainEngine` needs, without the RL actor's keys."""
 
     path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
+    # Train from random weights of path's architecture (seeded by `seed`) instead of path's.
     init_from_scratch: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    # Recompute activations in the backward pass instead of keeping them (HF gradient
+    # checkpointing, non-reentrant): less memory, more compute.
     gradient_checkpointing: bool = False
+    # How each batch is cut into forward/backward micro-batches (DPO and RM keep a pair in one).
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    # The model's AdamW and lr schedule.
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     # Rows sharing a prefix (DPO's chosen and rejected share their prompt) run it once, as
     # a token trie (training/prefix.py); exact. Needs sdpa attention.
@@ -87,10 +92,16 @@ class OfflineDatasetConfig:
 class OfflineEvaluatorConfig:
     """Held-out loss (and the trainer's metrics) on valid_dataset: before, every N, after."""
 
+    # Evaluate every this many training steps.
     freq_steps: Optional[int] = None
+    # Evaluate every this many epochs (passes over train_dataset).
     freq_epochs: Optional[int] = None
+    # Evaluate at the end of the first step this many seconds after the last evaluation (or
+    # the start).
     freq_secs: Optional[float] = None
+    # Evaluate the starting weights first.
     before_training: bool = True
+    # Evaluate the final weights after the last step.
     after_training: bool = True
 
 
@@ -122,11 +133,18 @@ class OfflineSchedulerConfig:
 class OfflineConfig:
     """What every offline trainer reads; SFTConfig, DPOConfig and RMConfig add their own."""
 
+    # The folder of this experiment's runs, <cluster.fileroot>/<experiment_name>/ (each trainer
+    # has its own default), and the trackers' default project.
     experiment_name: str = "asyncrl-offline"
+    # This run's folder in it, <cluster.fileroot>/<experiment_name>/<trial_name>/, and the
+    # trackers' default run name.
     trial_name: str = "trial0"
     seed: int = 1  # weights of init_from_scratch models and the shuffling of the data
+    # Passes over train_dataset, of ceil(examples / train_dataset.batch_size) steps each; the
+    # run stops after them or after total_train_steps, whichever comes first.
     total_train_epochs: int = 1
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
+    # The tokenizer of the rows; default: the model's.
     tokenizer_path: str = "${model.path}"
     # A system turn put before prompts given as plain strings (not before chat rows).
     system_prompt: Optional[str] = None
@@ -135,13 +153,20 @@ class OfflineConfig:
     # cluster.n_gpus_per_node > 0) and waits for them. null: one rank, or as many as
     # torchrun starts.
     allocation_mode: Optional[str] = None
+    # This machine (n_nodes must be 1): its GPUs (one per rank; 0: the CPU) and where runs
+    # are written.
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # How allocation_mode's ranks are started, and their CPU threads.
     scheduler: OfflineSchedulerConfig = field(default_factory=OfflineSchedulerConfig)
     model: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    # The rows trained on (train_dataset.path is required).
     train_dataset: OfflineDatasetConfig = field(default_factory=OfflineDatasetConfig)
+    # Held-out rows whose loss the evaluator reports; null: none.
     valid_dataset: Optional[OfflineDatasetConfig] = None
     saver: SaverConfig = field(default_factory=SaverConfig)  # the final model is always saved
     evaluator: OfflineEvaluatorConfig = field(default_factory=OfflineEvaluatorConfig)
+    # Where each step's stats go (rank 0 writes them): <run>/stats.jsonl, TensorBoard, the
+    # progress bar, trackers.
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
     def __post_init__(self) -> None:

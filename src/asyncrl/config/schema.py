@@ -83,6 +83,8 @@ class SchedulerConfig:
     # at once; None splits the machine's cores evenly. Servers are pinned to their cores.
     # Under ray and slurm: the cores of each server and of each trainer rank (default 1).
     inference_threads: Optional[int] = None
+    # The trainer's cores, as above. None on a local CPU machine: the cores the servers leave
+    # (half the machine when inference_threads is None too).
     trainer_threads: Optional[int] = None
     # Local scheduler, CPU, `local` backend, inline trainer: the cores above are each side's
     # home, and a busy side also runs on the cores of an idle one (the trainer while the
@@ -97,6 +99,8 @@ class SchedulerConfig:
 class LocalEngineConfig:
     """The `local` inference server (our own engine; base install)."""
 
+    # The servers' weight dtype (their --dtype, whatever rollout.backend) and the dtype each
+    # weight version is published in.
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     max_batch_size: int = 64  # concurrent sequences decoded together (KV-cache slots)
     max_seq_len: int = 2048  # prompt + completion tokens per slot
@@ -114,13 +118,22 @@ class GenerationConfig:
     """`gconfig`: how completions are sampled during training rollouts."""
 
     n_samples: int = 4  # completions per prompt (the GRPO group size)
+    # Tokens per completion at most (a cap on each agent request). Also actor.max_new_tokens
+    # (the overlong penalty's and seq-mean-token-sum-norm's budget) and evaluation's, unless
+    # evaluator.max_new_tokens is set.
     max_new_tokens: int = 256
+    # AReaL's key; only 0 (no minimum) is supported.
     min_new_tokens: int = 0
     greedy: bool = False  # overrides temperature with 0
+    # Sampling temperature: logits / temperature; 0 is greedy. The trainer's log-probs use
+    # actor.temperature, which should be the same.
     temperature: float = 1.0
+    # Nucleus sampling: only the most likely tokens whose probabilities reach top_p are kept
+    # (1: off).
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    # Stop strings (rlvr): a completion ends once its text contains one.
     stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -231,8 +244,11 @@ class DatasetConfig:
     # A local JSONL file or folder of JSONL files (GSM8K format: question / answer with
     # "#### N"), an HF dataset id, or "reasoning_gym:<task>" for a generated offline task.
     path: str = ""
+    # AReaL's dataset type; "rl" (question / answer items) is the only one.
     type: Literal["rl"] = "rl"
     batch_size: int = 8  # prompts per training step (or per evaluation batch)
+    # train_dataset: items reshuffled every epoch from (seed, epoch); false: file order.
+    # valid_dataset is never shuffled.
     shuffle: bool = True
     max_length: Optional[int] = None  # prompts longer than this (tokens) are dropped
     size: Optional[int] = None  # keep the first `size` rows (or generate this many tasks)
@@ -259,6 +275,7 @@ class WorkflowConfig:
     reward_fn: Optional[str] = "gsm8k"
     reward_model_path: Optional[str] = None  # only with reward_fn: reward_model
     reward_timeout: float = 15.0  # seconds; a reward that takes longer counts as failed
+    # rlvr: a system message put before every prompt (and its few_shot turns); null: none.
     system_prompt: Optional[str] = None
     # Worked examples shown before the question, as chat turns (one-shot prompting).
     few_shot: list[dict[str, str]] = field(default_factory=list)
@@ -295,6 +312,7 @@ class AgentConfig:
     tool_parser: Optional[str] = None
     # The proxy's address. 127.0.0.1 unless told otherwise; port 0 picks a free one.
     host: str = "127.0.0.1"
+    # The proxy's port; 0: a free one, picked when it starts.
     port: int = 0
     # The bearer key of /rl/start_session; online needs one (e.g. ${oc.env:ASYNCRL_ADMIN_KEY}).
     admin_key: Optional[str] = None
@@ -330,8 +348,11 @@ class AgentConfig:
 class SaverConfig:
     """HF-format weights under <run>/checkpoints/step<N>/ (None disables a trigger)."""
 
+    # Save every this many training steps.
     freq_steps: Optional[int] = None
+    # Save every this many epochs (passes over train_dataset).
     freq_epochs: Optional[int] = None
+    # Save at the end of the first step this many seconds after the last save (or the start).
     freq_secs: Optional[float] = None
 
 
@@ -340,8 +361,12 @@ class RecoverConfig:
     # disabled: start fresh. auto: resume from <run>/recover/ if a checkpoint is there.
     # resume: resume, and fail if there is none.
     mode: Literal["disabled", "auto", "resume"] = "disabled"
+    # Write a recover checkpoint every this many training steps (mode auto or resume only).
     freq_steps: Optional[int] = None
+    # Write a recover checkpoint every this many epochs (passes over train_dataset).
     freq_epochs: Optional[int] = None
+    # Write a recover checkpoint at the end of the first step this many seconds after
+    # the last one (or the start).
     freq_secs: Optional[float] = 3600.0
 
 
@@ -349,10 +374,16 @@ class RecoverConfig:
 class EvaluatorConfig:
     """Greedy evaluation on valid_dataset (before training, every freq_steps, after)."""
 
+    # Evaluate every this many training steps.
     freq_steps: Optional[int] = None
+    # Evaluate every this many epochs (passes over train_dataset).
     freq_epochs: Optional[int] = None
+    # Evaluate at the end of the first step this many seconds after the last evaluation (or
+    # the start).
     freq_secs: Optional[float] = None
+    # Evaluate the starting weights, beside the first step (not when resuming).
     before_training: bool = True
+    # Evaluate the final weights after the last step.
     after_training: bool = True
     max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens
 
@@ -368,13 +399,19 @@ class WandBConfig:
     """Weights & Biases (AReaL's keys). `offline` writes <run>/wandb/ with no network and
     no account (`wandb sync` uploads it later); `online` and `shared` go to the server."""
 
+    # disabled: no W&B run; otherwise wandb.init's mode (see above).
     mode: WandBMode = "disabled"
+    # The W&B team or user the run goes to (wandb.init's entity); None: the account's default.
     entity: Optional[str] = None
     project: Optional[str] = None  # None: experiment_name
     name: Optional[str] = None  # None: trial_name
+    # wandb.init's job_type: a label of the run's kind, to filter runs by.
     job_type: Optional[str] = None
+    # wandb.init's group: runs of one group are shown together.
     group: Optional[str] = None
+    # wandb.init's notes: a description of the run.
     notes: Optional[str] = None
+    # wandb.init's tags: labels to filter runs by (empty: none).
     tags: list[str] = field(default_factory=list)
     # Appended to the generated run id; a resumed run keeps its id (<run>/wandb/run_id).
     id_suffix: Optional[str] = "train"
@@ -389,6 +426,7 @@ class SwanlabConfig:
     """SwanLab (AReaL's keys). `offline` writes <logdir> with no network and no account
     (`swanlab sync` uploads it later); `local` is SwanLab's local dashboard; `cloud` uploads."""
 
+    # disabled: no SwanLab run; otherwise swanlab.init's mode (see above).
     mode: SwanlabMode = "disabled"
     project: Optional[str] = None  # None: experiment_name
     name: Optional[str] = None  # None: trial_name
@@ -405,6 +443,7 @@ class SwanlabConfig:
 class StatsLoggerConfig:
     jsonl: bool = True  # <run>/stats.jsonl
     tensorboard: bool = True  # <run>/tensorboard/
+    # A tqdm bar of the training steps on stderr.
     progress_bar: bool = True
     plot: bool = True  # <run>/reward_curve.png at the end
     # Experiment trackers; each needs `pip install 'asyncrl[track]'` unless disabled.
@@ -414,9 +453,18 @@ class StatsLoggerConfig:
 
 @dataclass(kw_only=True)
 class ExperimentConfig:
+    # The folder of this experiment's runs, <cluster.fileroot>/<experiment_name>/, and the
+    # trackers' default project.
     experiment_name: str = "asyncrl"
+    # This run's folder in it, <cluster.fileroot>/<experiment_name>/<trial_name>/, and the
+    # trackers' default run name.
     trial_name: str = "trial0"
+    # Seeds the trainer's random weights (init_from_scratch, a critic's head), the order of
+    # train_dataset, each item's sampling seed (rollout.seeded_sampling) and server i's seed
+    # (seed + i).
     seed: int = 1
+    # Passes over train_dataset, each of (its items // rollout.consumer_batch_size) steps; the
+    # run stops after them or after total_train_steps, whichever comes first.
     total_train_epochs: int = 1
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
     tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
@@ -425,24 +473,34 @@ class ExperimentConfig:
     # "|" instead of "+" ("local:d1|fsdp:d1") server i and trainer rank i share GPU i: one
     # GPU runs the whole run (config/allocation.py, docs/guides/gpus-and-clusters.md).
     allocation_mode: Optional[str] = None
+    # The machines: nodes, GPUs per node, where runs are written.
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # Who starts the run's processes, where each part runs, and their CPU cores.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     ray: RayConfig = field(default_factory=RayConfig)  # scheduler.type=ray
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # scheduler.type=slurm
+    # Generation: the staleness bound, the inference servers and the requests sent to them.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    # The trained policy: its model, optimiser, loss, rewards and advantages, weight updates.
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)  # used only when actor.kl_ctl > 0
     critic: Optional[CriticConfig] = None  # PPO with a value model; `critic: {}` for defaults
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # actor.distill_coef > 0
+    # What one episode is (rlvr or agent), its reward and prompt.
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # workflow.type=agent only
+    # The items trained on (none with agent.mode=online: clients bring them).
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # Held-out items for the evaluator (those whose question is also a training question are
+    # dropped); null: no evaluation.
     valid_dataset: Optional[DatasetConfig] = None
     saver: SaverConfig = field(default_factory=SaverConfig)
+    # Checkpoints of the whole run state in <run>/recover/, to resume an interrupted run.
     recover: RecoverConfig = field(default_factory=RecoverConfig)
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    # Where each step's stats go: <run>/stats.jsonl, TensorBoard, the progress bar, trackers.
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
     def __post_init__(self) -> None:
