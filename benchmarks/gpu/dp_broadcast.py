@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.config import load_config
     from asyncrl.observe import read_stats
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     cfg = load_config(None, run_overrides(args, tempfile.mkdtemp(prefix="asyncrl-gpu-")))
     summary = train(cfg)

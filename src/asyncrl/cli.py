@@ -12,7 +12,7 @@ from pathlib import Path
 
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     cfg = load_config(args.config, args.overrides)
     summary = train(cfg)
@@ -27,7 +27,7 @@ def _offline(args: argparse.Namespace) -> int:
     """
     from asyncrl.config import load_config
     from asyncrl.config.offline import TRAINER_SCHEMAS
-    from asyncrl.trainers import offline_launch
+    from asyncrl.offline import launch as offline_launch
 
     cfg = load_config(args.config, args.overrides, schema=TRAINER_SCHEMAS[args.command])
     summary = offline_launch.run(args.command, cfg)
@@ -51,7 +51,7 @@ def print_offline_summary(summary: dict) -> None:
 
 def _quickstart(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     recipe = resources.files("asyncrl.recipes") / "quickstart.yaml"
     with resources.as_file(recipe) as path:
@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.admin_key or args.export_dir:
         return _serve_backend(args)  # the agent proxy in front of a private server
     if args.backend == "local":
-        from asyncrl.engine.server import main as server_main
+        from asyncrl.inference.server.app import main as server_main
 
         argv = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                 "--dtype", args.dtype, "--device", args.device]
@@ -105,8 +105,8 @@ def _serve_backend(args: argparse.Namespace) -> int:
 
     from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
     from asyncrl.models.hub import resolve_model_path
-    from asyncrl.scheduler.local import LocalScheduler
-    from asyncrl.services import gateway
+    from asyncrl.launch.local import LocalScheduler
+    from asyncrl.openai import gateway
 
     if args.export_dir and not args.admin_key:
         raise SystemExit("asyncrl serve: --export-dir records agent sessions, which need "
@@ -132,7 +132,7 @@ def _serve_backend(args: argparse.Namespace) -> int:
                                                    backend=args.backend, device=device)
         print(f"asyncrl: {args.backend} server ready at {url} (private)", flush=True)
         if args.admin_key:
-            from asyncrl.services import agent_proxy
+            from asyncrl.agents import proxy as agent_proxy
 
             serving = agent_proxy.serve(
                 args.backend, url, tokenizer=path, model_name=args.model, host=args.host,
@@ -169,7 +169,7 @@ async def _while_alive(scheduler, serving, interval: float = 1.0) -> None:
 
 def _ps(args: argparse.Namespace) -> int:
     """The run's services: role, address, pid, node, state, log."""
-    from asyncrl.scheduler.control import ps
+    from asyncrl.launch.control import ps
 
     print("\n".join(ps(args.run)))
     return 0
@@ -177,7 +177,7 @@ def _ps(args: argparse.Namespace) -> int:
 
 def _logs(args: argparse.Namespace) -> int:
     """The end of a role's logs (one worker's with INDEX)."""
-    from asyncrl.scheduler.control import logs
+    from asyncrl.launch.control import logs
 
     lines = logs(args.run, args.role, args.index, args.n)
     if not lines:
@@ -189,7 +189,7 @@ def _logs(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     """Stop the run's services (local pids, Ray workers on this machine, Slurm jobs)."""
-    from asyncrl.scheduler.control import stop
+    from asyncrl.launch.control import stop
 
     print("\n".join(stop(args.run)))
     return 0
@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from asyncrl.config import ConfigError
-    from asyncrl.scheduler.local import SchedulerError
+    from asyncrl.launch.local import SchedulerError
 
     # SIGTERM unwinds like Ctrl-C, so the scheduler stops every server on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

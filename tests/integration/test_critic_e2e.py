@@ -9,7 +9,7 @@ from tiny_run import tiny_run_config
 
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
+from asyncrl.controller.rl import train
 
 pytestmark = pytest.mark.integration
 

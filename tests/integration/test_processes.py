@@ -12,7 +12,7 @@ import pytest
 from procs import server_pids
 
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.scheduler.local import free_port
+from asyncrl.launch.local import free_port
 
 pytestmark = pytest.mark.integration
 ASYNCRL = str(Path(sys.executable).with_name("asyncrl"))

@@ -9,7 +9,7 @@ from asyncrl.models.reward import load_reward_model
 from asyncrl.models.tiny import make_tiny_model, make_tiny_tokenizer
 from asyncrl.observe import read_stats
 from asyncrl.rewards.reward_model import RewardModelScorer
-from asyncrl.trainers.rl import train
+from asyncrl.controller.rl import train
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.agents.capture import Completion, export, parents, returns
-from asyncrl.services.drift import check_template_drift
+from asyncrl.openai.drift import check_template_drift
 from asyncrl.agents.online import OnlineAdmission, TaskBaseline
 from asyncrl.agents.runner import parse_reward_line, resolve_agent
 from asyncrl.agents.session import SessionStatus, SessionStore
@@ -183,7 +183,7 @@ def test_sandboxed_runs_record_their_isolation_in_the_session_context():
 
 
 def test_evaluation_counts_each_agent_session_once():
-    from asyncrl.rollout.evaluate import evaluate
+    from asyncrl.controller.rollout.evaluate import evaluate
 
     class TwoPieces:  # a session whose second turn drifted: two trajectories, G_0 first
         async def run(self, engine, item):

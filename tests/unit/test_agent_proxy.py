@@ -13,8 +13,8 @@ from asyncrl.agents.capture import export
 from asyncrl.agents.session import SessionStatus
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.services.agent_proxy import AgentProxy
-from asyncrl.services.tool_calls import hermes_messages
+from asyncrl.agents.proxy import AgentProxy
+from asyncrl.openai.tool_calls import hermes_messages
 
 ADMIN = "admin-key-123"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
@@ -170,7 +170,7 @@ def test_a_retried_request_gets_the_first_answer_not_a_new_sample(tokenizer):
 
 
 def test_capacity_gives_429_with_retry_after_then_a_grant_once_a_session_ends(tokenizer):
-    from asyncrl.services.agent_proxy import SessionLimit
+    from asyncrl.agents.proxy import SessionLimit
 
     async def main():
         proxy, _ = await start_proxy(tokenizer, ["x"])
@@ -367,10 +367,10 @@ def test_streamed_responses_and_anthropic_requests_are_recorded_too(tokenizer):
 @pytest.mark.parametrize("where", ["inline", "service"])
 def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenizer, where):
     """The same episodes with the proxy in this process and behind the agent service's
-    HTTP client (services/agent.py): a version-lagged session drops its episode."""
-    from asyncrl.services.agent import AgentClient, AgentService
-    from asyncrl.services.agent_proxy import LocalSessions
-    from asyncrl.workflows.agent import AgentSpec, AgentWorkflow
+    HTTP client (agents/service.py): a version-lagged session drops its episode."""
+    from asyncrl.agents.service import AgentClient, AgentService
+    from asyncrl.agents.proxy import LocalSessions
+    from asyncrl.controller.workflows.agent import AgentSpec, AgentWorkflow
 
     version = {"v": 0}
     client = None
@@ -436,7 +436,7 @@ class StuckEngine(ScriptedEngine):
 def test_stopping_the_proxy_does_not_wait_for_generations_in_flight(tokenizer):
     """A run's exit stops its proxy while agents still wait on generations: the requests in
     flight get SHUTDOWN_GRACE_S, not aiohttp's 60 s (CI once timed out there)."""
-    from asyncrl.services.http import SHUTDOWN_GRACE_S
+    from asyncrl.api.http import SHUTDOWN_GRACE_S
 
     async def main():
         proxy = AgentProxy(StuckEngine(tokenizer, ["x"]), tokenizer, "policy", admin_key=ADMIN)

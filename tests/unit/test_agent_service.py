@@ -9,8 +9,8 @@ import pytest
 from test_agent_proxy import ADMIN, ScriptedEngine, post, root, run
 
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.services.agent import AgentClient, AgentService, AgentServiceError
-from asyncrl.services.agent_proxy import AgentProxy
+from asyncrl.agents.service import AgentClient, AgentService, AgentServiceError
+from asyncrl.agents.proxy import AgentProxy
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ from serving import serving as serve_app
 from asyncrl.api.errors import InferenceError
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.services.anthropic_api import AnthropicRoutes
-from asyncrl.services.openai_api import openai_app
-from asyncrl.services.openai_protocol import OpenAIError
-from asyncrl.services.responses_api import ResponsesRoutes
+from asyncrl.openai.anthropic import AnthropicRoutes
+from asyncrl.openai.routes import openai_app
+from asyncrl.openai.protocol import OpenAIError
+from asyncrl.openai.responses import ResponsesRoutes
 
 MODEL = "served-model"
 KEY = "sk-test"

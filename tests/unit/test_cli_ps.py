@@ -11,8 +11,8 @@ from test_scheduler import health_server, pid_alive
 
 from asyncrl.cli import main
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.scheduler import LocalScheduler, Worker, WorkerSpec
-from asyncrl.scheduler.base import write_registry
+from asyncrl.launch import LocalScheduler, Worker, WorkerSpec
+from asyncrl.launch.base import write_registry
 
 
 @pytest.fixture

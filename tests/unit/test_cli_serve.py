@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.cli import build_parser
-from asyncrl.inference.client import RemoteInferenceEngine
-from asyncrl.inference.sglang import SGLangInferenceEngine
-from asyncrl.inference.vllm import VLLMInferenceEngine
-from asyncrl.services import gateway
+from asyncrl.inference.client.local import RemoteInferenceEngine
+from asyncrl.inference.client.sglang import SGLangInferenceEngine
+from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.openai import gateway
 
 
 def test_serve_defaults_to_the_local_backend_on_loopback():
@@ -51,7 +51,7 @@ def test_serve_stops_with_the_scheduler_s_error_when_its_server_dies():
     import asyncio
 
     from asyncrl.cli import _while_alive
-    from asyncrl.scheduler.base import SchedulerError
+    from asyncrl.launch.base import SchedulerError
 
     class Scheduler:
         checks = 0

@@ -10,9 +10,9 @@ import torch
 from asyncrl.api import cores
 from asyncrl.api.cores import SLOTS, TRAINER_SLOT, CoreShare, threads_for
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.engine.engine import LocalEngine
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import FSDPTrainEngine
+from asyncrl.trainer import FSDPTrainEngine
 
 
 def _homes(**slots):
@@ -174,7 +174,7 @@ def test_compute_copies_cast_gives_a_waking_server_its_core_at_the_next_tensor(
     # The first cast of a step runs as the server wakes up (it starts generating for the
     # version just published); two threads per cast on two cores beside the server's made
     # the cast ~1 s instead of ~80 ms in the quickstart.
-    from asyncrl.training import precision
+    from asyncrl.trainer.cpu import precision
 
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))  # 6 tensors
     copies = precision.ComputeWeights(model, torch.bfloat16)
@@ -200,7 +200,7 @@ def test_local_engine_is_busy_while_it_copies_new_weights(tmp_path):
     # once the swap is done, or at once when the load fails.
     from safetensors.torch import load_file
 
-    from asyncrl.engine.model import CheckpointError
+    from asyncrl.inference.server.model import CheckpointError
 
     path = CoreShare.create(str(tmp_path / "share"))
     mine = CoreShare(path, 0, 1)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from asyncrl.engine.model import (
+from asyncrl.inference.server.model import (
     DecodeKernels,
     PackedMatrix,
     Transformer,
@@ -152,7 +152,7 @@ def _engine_logprob_gap(path: str, actor, use_kernels: bool) -> float:
     """Mean |engine - trainer| log-prob of 4 x 24 sampled tokens, both sides in bf16."""
     from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
     from asyncrl.config import LocalEngineConfig
-    from asyncrl.engine.engine import LocalEngine
+    from asyncrl.inference.server.engine import LocalEngine
 
     engine = LocalEngine(path, LocalEngineConfig(dtype="bfloat16", max_batch_size=4,
                                                  max_seq_len=128), seed=0)
@@ -174,7 +174,7 @@ def _engine_logprob_gap(path: str, actor, use_kernels: bool) -> float:
 def test_bf16_engine_logprobs_agree_with_the_bf16_trainer_as_the_torch_path_does(tmp_path):
     from asyncrl.config import load_config
     from asyncrl.config.engine import TrainEngineSpec
-    from asyncrl.training import FSDPTrainEngine
+    from asyncrl.trainer import FSDPTrainEngine
 
     path = make_tiny_model(tmp_path / "m", num_heads=4, num_kv_heads=2, hidden_size=128,
                            head_dim=32)
@@ -340,9 +340,9 @@ def test_a_build_without_avx512_has_the_per_op_kernels_and_the_sampler_only(tmp_
     from importlib import resources
 
     cc = shutil.which("cc") or shutil.which("gcc")
-    src = resources.files("asyncrl.engine.kernels") / "decode.c"
+    src = resources.files("asyncrl.kernels") / "decode.c"
     lib_path = tmp_path / "decode_avx2.so"
-    flags = [f for f in __import__("asyncrl.engine.kernels", fromlist=["FLAGS"]).FLAGS
+    flags = [f for f in __import__("asyncrl.kernels", fromlist=["FLAGS"]).FLAGS
              if not f.startswith("-march")]
     subprocess.run([cc, *flags, "-march=x86-64-v3", str(src), "-o", str(lib_path), "-lm"],
                    check=True, capture_output=True)

@@ -31,13 +31,13 @@ from asyncrl.api.types import GenerationRequest, SamplingParams, TensorBatch
 from asyncrl.config.algorithm import ActorConfig, CriticConfig
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import LocalEngineConfig, MicroBatchSpec, OptimizerConfig
-from asyncrl.engine.engine import LocalEngine
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import engine as engine_module
-from asyncrl.training import logprob_head
-from asyncrl.training.engine import FSDPTrainEngine
-from asyncrl.training.reward import FSDPRewardEngine
-from asyncrl.training.value import FSDPValueEngine
+from asyncrl.trainer import engine as engine_module
+from asyncrl.trainer.cpu import logprob_head
+from asyncrl.trainer.engine import FSDPTrainEngine
+from asyncrl.trainer.reward import FSDPRewardEngine
+from asyncrl.trainer.value import FSDPValueEngine
 from asyncrl.weights import WeightPublisher, transport
 from asyncrl.weights.broadcast import WeightSender
 

@@ -19,8 +19,8 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.schema import ActorConfig, GenerationConfig, NormConfig
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.training.frozen import check_shared_vocab, make_teacher_engine
-from asyncrl.workflows import RLVRWorkflow
+from asyncrl.trainer.frozen import check_shared_vocab, make_teacher_engine
+from asyncrl.controller.workflows import RLVRWorkflow
 
 EPS = 1e-5
 E = math.e
@@ -243,7 +243,7 @@ def test_the_trainer_refuses_a_teacher_with_another_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from asyncrl.models.tiny import make_tiny_model
-    from asyncrl.training.frozen import check_teacher_vocab, frozen_engine
+    from asyncrl.trainer.frozen import check_teacher_vocab, frozen_engine
 
     torch.set_num_threads(1)
     student = make_tiny_model(tmp_path / "student", seed=0)

@@ -4,7 +4,7 @@ import pytest
 
 from asyncrl.api import Trajectory
 from asyncrl.config import ConfigError, load_config
-from asyncrl.rollout import has_reward_signal, make_episode_filter
+from asyncrl.controller.rollout import has_reward_signal, make_episode_filter
 
 
 def group(*rewards):

@@ -80,7 +80,7 @@ def test_the_cpu_build_of_vllm_is_named_as_unusable_on_gpus(monkeypatch):
 def test_main_stops_before_starting_anything_and_lists_every_problem(monkeypatch, capsys):
     import torch
 
-    import asyncrl.trainers.rl as rl
+    import asyncrl.controller.rl as rl
 
     monkeypatch.setattr(rl, "train", lambda cfg: pytest.fail("a run was started"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

@@ -1,11 +1,11 @@
-"""The trainer's gradient passes in C (training/grad_ops.py) and the linear layers whose
-weight gradient uses them (training/linear.py)."""
+"""The trainer's gradient passes in C (trainer/cpu/grad_ops.py) and the linear layers whose
+weight gradient uses them (trainer/cpu/linear.py)."""
 
 import pytest
 import torch
 from torch import nn
 
-from asyncrl.training import grad_ops, linear
+from asyncrl.trainer.cpu import grad_ops, linear
 
 needs_kernels = pytest.mark.skipif(grad_ops._kernels() is None, reason="no C compiler")
 

@@ -1,5 +1,5 @@
-"""Freed memory kept for reuse: glibc's settings (training/heap.py) and the fp32 gradient
-buffers of the one-rank compute copies (training/precision.py)."""
+"""Freed memory kept for reuse: glibc's settings (trainer/cpu/heap.py) and the fp32 gradient
+buffers of the one-rank compute copies (trainer/cpu/precision.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncrl.training.precision import ComputeWeights
+from asyncrl.trainer.cpu.precision import ComputeWeights
 
 # Two rounds of 24 blocks of 8 MiB, written and freed in reverse; prints the page faults of
 # the second round (counted by the kernel, not by us).
@@ -19,7 +19,7 @@ ROUNDS = """
 import ctypes, resource, sys
 sys.path[:0] = {path!r}
 if {keep}:
-    from asyncrl.training.heap import keep_freed_memory
+    from asyncrl.trainer.cpu.heap import keep_freed_memory
     assert keep_freed_memory()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

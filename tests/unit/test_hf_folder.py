@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from asyncrl.training import checkpoint
+from asyncrl.trainer import checkpoint
 
 
 def test_the_tokenizer_is_saved_again_only_where_its_files_differ(tiny_path, tmp_path,

@@ -21,14 +21,14 @@ from aiohttp import web
 from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.engine.engine import LocalEngine
-from asyncrl.engine.server import InferenceServer
-from asyncrl.inference import RemoteInferenceEngine
-from asyncrl.inference.base import WeightIpc
-from asyncrl.inference.vllm import VLLMInferenceEngine, ipc_update_info
-from asyncrl.services.training import TrainingService
-from asyncrl.training import FSDPTrainEngine
-from asyncrl.training.worker import RLWorker
+from asyncrl.inference.server.engine import LocalEngine
+from asyncrl.inference.server.app import InferenceServer
+from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client.base import WeightIpc
+from asyncrl.inference.client.vllm import VLLMInferenceEngine, ipc_update_info
+from asyncrl.trainer.service import TrainingService
+from asyncrl.trainer import FSDPTrainEngine
+from asyncrl.trainer.worker import RLWorker
 from asyncrl.weights import ipc
 from asyncrl.weights.ipc import IpcExporter, IpcHandle, IpcImporter, IpcPublisher, parse_update
 from serving import serving

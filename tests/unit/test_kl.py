@@ -10,7 +10,7 @@ from asyncrl.algorithms import compute_advantages, kl_estimate, kl_loss, make_pp
 from asyncrl.api.types import TensorBatch
 from asyncrl.config import load_config
 from asyncrl.config.schema import ActorConfig, NormConfig
-from asyncrl.training.frozen import make_ref_engine
+from asyncrl.trainer.frozen import make_ref_engine
 
 EPS = 1e-5
 LN2 = math.log(2)

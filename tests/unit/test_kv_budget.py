@@ -1,20 +1,20 @@
-"""The local engine's KV cache sized from a byte budget (engine/memory.py)."""
+"""The local engine's KV cache sized from a byte budget (inference/server/memory.py)."""
 
 import pytest
 import torch
 
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
-from asyncrl.engine import memory
-from asyncrl.engine.engine import LocalEngine
-from asyncrl.engine.model import load_config
-from asyncrl.engine.server import parse_args
+from asyncrl.inference.server import memory
+from asyncrl.inference.server.engine import LocalEngine
+from asyncrl.inference.server.model import load_config
+from asyncrl.inference.server.app import parse_args
 
 
 def test_a_slot_holds_keys_and_values_of_every_layer_over_max_seq_len():
     # Qwen3-0.6B: 28 layers, 8 KV heads of 128; bf16, 2048 positions:
     # 2 x 28 x 8 x 2048 x 128 x 2 bytes = 224 MiB a slot
-    from asyncrl.engine.model import ModelConfig
+    from asyncrl.inference.server.model import ModelConfig
 
     qwen3 = ModelConfig.from_hf({
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
@@ -84,7 +84,7 @@ def test_a_memory_fraction_is_for_cuda_engines(tiny_path):
 def test_a_cuda_engine_sizes_its_cache_from_its_share_of_the_gpu(tiny_path):
     import math
 
-    from asyncrl.engine.model import hf_shapes
+    from asyncrl.inference.server.model import hf_shapes
 
     cfg, _ = load_config(tiny_path)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -111,7 +111,7 @@ def test_a_gpu_share_caps_the_allocator_on_an_indexed_device(tiny_path, monkeypa
     torch.device("cuda") was refused)."""
     from torch._utils import _get_device_index
 
-    from asyncrl.engine import engine as engine_module
+    from asyncrl.inference.server import engine as engine_module
 
     caps = []
 

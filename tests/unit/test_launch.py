@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.backends import client_class
-from asyncrl.scheduler.commands import inference_spec, server_command
+from asyncrl.inference.client.backends import client_class
+from asyncrl.launch.commands import inference_spec, server_command
 
 
 def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
@@ -20,7 +20,7 @@ def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
     # seeded requests need whole prefills on CPU (docs/reliability.md)
     assert "--no-enable-chunked-prefill" in argv
     assert argv[argv.index("--worker-extension-cls") + 1] == (
-        "asyncrl.engine.vllm_worker.WeightSyncExtension")
+        "asyncrl.inference.client.vllm_worker.WeightSyncExtension")
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no traffic off the machine
     assert env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -37,7 +37,7 @@ def test_gpu_servers_get_their_devices_and_no_cpu_flags():
 
 def test_local_server_command():
     argv, _ = server_command("local", "/m", "127.0.0.1", 7000, dtype="bfloat16")
-    assert argv[1:3] == ["-m", "asyncrl.engine.server"]
+    assert argv[1:3] == ["-m", "asyncrl.inference.server.app"]
     assert argv[argv.index("--model") + 1] == "/m" and argv[argv.index("--port") + 1] == "7000"
 
 

@@ -9,10 +9,10 @@ import torch
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.engine.engine import LocalEngine
-from asyncrl.engine.local_backend import LocalBackend
+from asyncrl.inference.server.engine import LocalEngine
+from asyncrl.inference.server.local_backend import LocalBackend
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.services.openai_api import StreamedToken
+from asyncrl.openai.routes import StreamedToken
 
 torch.set_num_threads(1)
 

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.engine.engine import LocalEngine, _shared_prefixes
-from asyncrl.engine.model import (
+from asyncrl.inference.server.engine import LocalEngine, _shared_prefixes
+from asyncrl.inference.server.model import (
     CheckpointError,
     ModelConfig,
     PackedMatrix,
@@ -306,7 +306,7 @@ def test_kv_recompute_after_an_update_shares_a_groups_prompt_bit_for_bit(tiny, t
     prompt = list(range(40, 70))
     runs = []
     for min_shared in (8, 10**9):  # shared prefixes, then none
-        monkeypatch.setattr("asyncrl.engine.engine.MIN_SHARED_PREFIX", min_shared)
+        monkeypatch.setattr("asyncrl.inference.server.engine.MIN_SHARED_PREFIX", min_shared)
         engine = new_engine(tiny, dtype="bfloat16", max_batch_size=8)
         if not engine.model.fused:
             pytest.skip("needs the C forward (AVX512-BF16)")
@@ -482,7 +482,7 @@ def test_threaded_update_does_not_wait_for_generation_in_flight(tiny, tiny_v1):
 def test_huge_zeros_reads_zero_writes_through_and_outlives_its_first_view():
     import gc
 
-    from asyncrl.engine.cpu import huge_zeros
+    from asyncrl.inference.server.cpu_decode import huge_zeros
 
     shape = (3, 4, 5, 1 << 16)  # 7.5 MB of bf16: on 2 MB pages
     cache = huge_zeros(shape, torch.bfloat16)

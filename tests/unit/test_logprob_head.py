@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.training import logprob_head
-from asyncrl.training.logprob_head import reference_logprobs, token_logprobs
+from asyncrl.trainer.cpu import logprob_head
+from asyncrl.trainer.cpu.logprob_head import reference_logprobs, token_logprobs
 
 N, H, V = 11, 16, 50
 

@@ -1,11 +1,11 @@
-"""The SwiGLU product in C (training/mlp.py) against HF's MLP."""
+"""The SwiGLU product in C (trainer/cpu/mlp.py) against HF's MLP."""
 
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from asyncrl.training import mlp
+from asyncrl.trainer.cpu import mlp
 
 needs_kernels = pytest.mark.skipif(mlp._kernels() is None, reason="no C compiler")
 

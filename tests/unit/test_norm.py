@@ -1,4 +1,4 @@
-"""The fused RMSNorm (training/norm.py, C) against HF's LlamaRMSNorm and float64."""
+"""The fused RMSNorm (trainer/cpu/norm.py, C) against HF's LlamaRMSNorm and float64."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import norm
-from asyncrl.training.norm import rms_norm, use_fused_norms
+from asyncrl.trainer.cpu import norm
+from asyncrl.trainer.cpu.norm import rms_norm, use_fused_norms
 
 pytestmark = pytest.mark.skipif(norm._kernels() is None,
                                 reason="no C compiler: HF's norm is used")

@@ -9,9 +9,9 @@ from asyncrl.algorithms import make_dpo_loss_fn, make_sft_loss_fn
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.data.offline import TokenRow, collate
-from asyncrl.trainers.dpo import compute_reference_logprobs
-from asyncrl.trainers.offline import epoch_batches, evaluate
-from asyncrl.training import FSDPTrainEngine, plan_micro_batches
+from asyncrl.offline.dpo import compute_reference_logprobs
+from asyncrl.offline.loop import epoch_batches, evaluate
+from asyncrl.trainer import FSDPTrainEngine, plan_micro_batches
 
 pytestmark = pytest.mark.usefixtures("process_group")
 

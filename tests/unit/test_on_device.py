@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import LocalEngineConfig, MicroBatchSpec, OptimizerConfig
-from asyncrl.engine.engine import LocalEngine
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import engine as engine_module
-from asyncrl.training import logprob_head
-from asyncrl.training.engine import FSDPTrainEngine
-from asyncrl.training.logprob_head import token_logprobs
-from asyncrl.training.value import FSDPValueEngine
+from asyncrl.trainer import engine as engine_module
+from asyncrl.trainer.cpu import logprob_head
+from asyncrl.trainer.engine import FSDPTrainEngine
+from asyncrl.trainer.cpu.logprob_head import token_logprobs
+from asyncrl.trainer.value import FSDPValueEngine
 
 pytestmark = [pytest.mark.device, pytest.mark.usefixtures("process_group")]
 VOCAB = 320  # the tiny model's

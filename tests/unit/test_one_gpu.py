@@ -8,9 +8,9 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.allocation import Allocation, parse_allocation_mode
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.scheduler.local import LocalScheduler, SchedulerError, _Proc
-from asyncrl.trainers.launch import launch
-from asyncrl.trainers.paths import RunPaths
+from asyncrl.launch.local import LocalScheduler, SchedulerError, _Proc
+from asyncrl.controller.launch import launch
+from asyncrl.observe.paths import RunPaths
 
 
 def _load(*overrides):
@@ -138,7 +138,7 @@ class RecordingScheduler(LocalScheduler):
 
     @staticmethod
     def _worker(role, index, port):
-        from asyncrl.scheduler.base import Worker
+        from asyncrl.launch.base import Worker
 
         return Worker(role=role, index=index, host="127.0.0.1", port=port,
                       address=f"http://127.0.0.1:{port}", node_id="n", pid=0, log_path="")
@@ -249,7 +249,7 @@ def test_a_colocated_cuda_rank_caps_its_allocator_on_its_own_gpu(monkeypatch):
     from what the host has (the first run on a GPU found the call without a device)."""
     import torch
 
-    from asyncrl.training import worker
+    from asyncrl.trainer import worker
 
     cfg = _load("allocation_mode=local:d1|fsdp:d1", *ONE_GPU, "rollout.gpu_memory_fraction=0.3")
     calls = []

@@ -12,7 +12,7 @@ from serving import serving
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason, mix_seed
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.services.openai_api import openai_app
+from asyncrl.openai.routes import openai_app
 
 MODEL = "scripted"
 KEY = "sk-test"
@@ -163,7 +163,7 @@ TOOL_TEMPLATE = (
 
 
 def test_a_template_that_renders_tools_gets_them_natively_with_arguments_as_objects():
-    from asyncrl.services.openai_protocol import render_chat, template_renders_tools
+    from asyncrl.openai.protocol import render_chat, template_renders_tools
 
     tok = make_tiny_tokenizer()
     assert not template_renders_tools(tok)

@@ -7,13 +7,13 @@ import json
 import pytest
 
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.services.detokenize import (
+from asyncrl.openai.detokenize import (
     IncrementalDetokenizer,
     detokenize,
     token_bytes,
     token_string,
 )
-from asyncrl.services.tool_calls import ToolCallHold, hermes_messages, parse_tool_calls
+from asyncrl.openai.tool_calls import ToolCallHold, hermes_messages, parse_tool_calls
 
 
 @pytest.fixture(scope="module")

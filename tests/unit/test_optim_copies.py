@@ -1,10 +1,10 @@
-"""CopyingAdamW (training/optim.py): torch's fused AdamW update in C, writing each master's
+"""CopyingAdamW (trainer/cpu/optim.py): torch's fused AdamW update in C, writing each master's
 bf16 compute copy in the same pass."""
 
 import pytest
 import torch
 
-from asyncrl.training import optim
+from asyncrl.trainer.cpu import optim
 
 pytestmark = pytest.mark.skipif(optim._kernels() is None, reason="no C compiler")
 

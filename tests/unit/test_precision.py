@@ -1,11 +1,11 @@
-"""The compute copies' gradient sink (training/precision.py) on its own."""
+"""The compute copies' gradient sink (trainer/cpu/precision.py) on its own."""
 
 import pytest
 import torch
 from torch import nn
 
-from asyncrl.training import precision
-from asyncrl.training.precision import ComputeWeights
+from asyncrl.trainer.cpu import precision
+from asyncrl.trainer.cpu.precision import ComputeWeights
 
 
 def lookup_grad(module: nn.Embedding, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

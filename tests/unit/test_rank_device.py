@@ -12,9 +12,9 @@ import torch.distributed as dist
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.offline import SFTConfig
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.trainers.offline import OfflineTrainer
-from asyncrl.training.dist import local_device, process_group_backend
-from asyncrl.training.worker import RLWorker
+from asyncrl.offline.loop import OfflineTrainer
+from asyncrl.trainer.dist import local_device, process_group_backend
+from asyncrl.trainer.worker import RLWorker
 
 
 @pytest.fixture(scope="module")

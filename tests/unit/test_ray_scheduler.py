@@ -16,7 +16,7 @@ import pytest
 from test_scheduler import health_server, pid_alive
 
 from asyncrl.config.schema import ClusterConfig, SchedulerConfig
-from asyncrl.scheduler import SchedulerError, WorkerSpec, make_scheduler, read_registry
+from asyncrl.launch import SchedulerError, WorkerSpec, make_scheduler, read_registry
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -46,7 +46,7 @@ def cluster():
 
 @pytest.fixture
 def scheduler(cluster, tmp_path):
-    from asyncrl.scheduler.ray import RayScheduler
+    from asyncrl.launch.ray import RayScheduler
 
     cfg = SchedulerConfig(type="ray", startup_timeout=30)
     with make_scheduler(cfg, ClusterConfig(n_nodes=2, n_gpus_per_node=2), tmp_path) as scheduler:

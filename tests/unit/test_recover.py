@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.trainers import recover
+from asyncrl.controller import recover
 from asyncrl.weights import PublishError, WeightPublisher
 
 

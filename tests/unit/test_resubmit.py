@@ -5,7 +5,7 @@ import asyncio
 from fake_vllm import FakeVLLMServers
 
 from asyncrl.api import GenerationRequest, SamplingParams
-from asyncrl.inference.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.vllm import VLLMInferenceEngine
 
 
 def test_interrupted_request_resumes_on_its_server_with_tokens_of_both_versions(tmp_path):

@@ -3,10 +3,10 @@
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.scheduler.base import Worker
-from asyncrl.services.training import TrainingClient
-from asyncrl.trainers.launch import launch, rank_cores
-from asyncrl.trainers.paths import RunPaths
+from asyncrl.launch.base import Worker
+from asyncrl.trainer.service import TrainingClient
+from asyncrl.controller.launch import launch, rank_cores
+from asyncrl.observe.paths import RunPaths
 
 
 class RecordingScheduler:
@@ -40,7 +40,7 @@ def test_off_the_machine_servers_and_ranks_take_per_run_keys(tmp_path, tiny_path
     assert servers.env["ASYNCRL_API_KEY"] == services.inference_key
     assert len(services.inference_key) == 32
     assert ranks.role == "trainer" and ranks.count == 2 and ranks.torch_distributed
-    assert ranks.cpus == 3 and "asyncrl.services.training" in ranks.command
+    assert ranks.cpus == 3 and "asyncrl.trainer.service" in ranks.command
     assert str(Path(tmp_path) / "asyncrl" / "trial0" / "config.yaml") in ranks.command
     assert isinstance(services.trainer, TrainingClient)
     assert services.trainer.api_key == ranks.env["ASYNCRL_API_KEY"] != services.inference_key
@@ -78,7 +78,7 @@ def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path,
 
     from asyncrl.api import cores
     from asyncrl.config.schema import SchedulerConfig
-    from asyncrl.scheduler.local import LocalScheduler
+    from asyncrl.launch.local import LocalScheduler
 
     class Recording(LocalScheduler):
         def __init__(self):

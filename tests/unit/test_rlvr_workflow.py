@@ -12,7 +12,7 @@ from asyncrl.config.schema import GenerationConfig
 from asyncrl.data import build_messages, encode_chat
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.rewards import RewardError, RewardRunner, gsm8k_reward
-from asyncrl.workflows import RLVRWorkflow
+from asyncrl.controller.workflows import RLVRWorkflow
 
 ITEM = {"id": "gsm8k-1", "question": "What is 9 * 2?", "answer": "18", "task": "gsm8k"}
 SYSTEM = "End with #### N."

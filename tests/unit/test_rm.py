@@ -257,7 +257,7 @@ def test_the_rm_reward_runs_in_the_reward_runner_and_surfaces_errors(trained_rm)
 
 
 def make_rm_engine(path, budget, granularity=2, **kw):
-    from asyncrl.training import FSDPRewardEngine
+    from asyncrl.trainer import FSDPRewardEngine
 
     cfg = TrainEngineConfig(path=path, dtype="float32", mb_spec=MicroBatchSpec(
         max_tokens_per_mb=budget, granularity=granularity), optimizer=OptimizerConfig(lr=1e-3))

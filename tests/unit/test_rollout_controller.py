@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.api import StopReason, Trajectory
 from asyncrl.api.types import SAMPLING_SEED_KEY, mix_seed
-from asyncrl.rollout import RolloutController, RolloutError
+from asyncrl.controller.rollout import RolloutController, RolloutError
 
 
 class ListStream:
@@ -417,7 +417,7 @@ class MixedRewardWorkflow(SleepyWorkflow):
 
 
 def make_dapo_controller(eta, B=4, workflow=None):
-    from asyncrl.rollout import has_reward_signal
+    from asyncrl.controller.rollout import has_reward_signal
 
     return RolloutController(
         FakeEngine(), workflow or MixedRewardWorkflow(), ListStream(), consumer_batch_size=B,
@@ -480,14 +480,14 @@ def test_dynamic_sampling_counters_survive_a_resume():
 
 
 def test_dropping_every_group_warns_with_the_counts(caplog, monkeypatch):
-    from asyncrl.rollout import controller as controller_module
+    from asyncrl.controller.rollout import controller as controller_module
 
     monkeypatch.setattr(controller_module, "DROP_WARN_GROUPS_PER_BATCH", 1)
     # SleepyWorkflow gives all samples of an item the same reward: every group is dropped.
     ctrl = make_dapo_controller(0, B=2, workflow=SleepyWorkflow(max_delay=0.0))
     ctrl.start()
     try:
-        with caplog.at_level("WARNING", logger="asyncrl.rollout.controller"):
+        with caplog.at_level("WARNING", logger="asyncrl.controller.rollout.controller"):
             with pytest.raises(TimeoutError, match="0/2 episodes ready"):
                 ctrl.next_batch(timeout=1)
     finally:

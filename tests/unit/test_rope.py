@@ -1,4 +1,4 @@
-"""The rotary embedding in C (training/rope.py) against HF's function and its autograd in
+"""The rotary embedding in C (trainer/cpu/rope.py) against HF's function and its autograd in
 bf16, bit for bit, on HF's layouts (transposed q and k, grouped key heads)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import rope
+from asyncrl.trainer.cpu import rope
 
 pytestmark = pytest.mark.skipif(rope._kernels() is None, reason="no C compiler")
 HF = getattr(modeling_llama.apply_rotary_pos_emb, "asyncrl_original",

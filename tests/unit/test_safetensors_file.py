@@ -91,7 +91,7 @@ def test_a_damaged_file_is_named_not_mapped(tmp_path, damage, message):
 
 
 def test_a_dtype_we_do_not_name_is_an_error_and_the_engine_reads_it_with_safetensors(tmp_path):
-    from asyncrl.engine.model import mapped_checkpoint
+    from asyncrl.inference.server.model import mapped_checkpoint
 
     want = {"a": torch.randn(4, 4).to(torch.float8_e4m3fn), "b": torch.randn(3)}
     save_file(want, tmp_path / "model.safetensors")

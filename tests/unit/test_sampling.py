@@ -9,9 +9,15 @@ import torch
 
 from asyncrl.api.types import GenerationRequest, SamplingParams, StopReason
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.engine.engine import LocalEngine
-from asyncrl.engine.model import DecodeKernels
-from asyncrl.engine.sampling import SamplingBatch, StopChecker, sample, sample_from, truncate
+from asyncrl.inference.server.engine import LocalEngine
+from asyncrl.inference.server.model import DecodeKernels
+from asyncrl.inference.server.sampling import (
+    SamplingBatch,
+    StopChecker,
+    sample,
+    sample_from,
+    truncate,
+)
 from asyncrl.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
@@ -280,7 +286,7 @@ def test_sampled_logprobs_equal_hf_log_softmax_over_temperature(engine, hf, temp
 # ---- per-request seeds ------------------------------------------------------------------------
 
 def test_seeded_uniform_is_a_pure_uniform_function_of_seed_and_draw():
-    from asyncrl.engine.sampling import seeded_uniform
+    from asyncrl.inference.server.sampling import seeded_uniform
 
     seeds = torch.tensor([3, 2**62 + 5, 0, 3], dtype=torch.long)
     counters = torch.tensor([0, 7, 0, 1], dtype=torch.long)
@@ -351,8 +357,8 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
 
 def test_vllm_and_sglang_get_the_seed_and_a_new_stream_for_each_continuation():
     from asyncrl.api.types import mix_seed, piece_seed
-    from asyncrl.inference.sglang import generate_body
-    from asyncrl.inference.vllm import completion_body
+    from asyncrl.inference.client.sglang import generate_body
+    from asyncrl.inference.client.vllm import completion_body
 
     req = GenerationRequest(input_ids=[1, 2], sampling=SamplingParams(seed=5, max_new_tokens=8))
     assert completion_body(req, [])["seed"] == 5

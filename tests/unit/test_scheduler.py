@@ -3,8 +3,8 @@
 import pytest
 
 from asyncrl.config.schema import SaverConfig
-from asyncrl.scheduler import SchedulerError, split_cores
-from asyncrl.trainers.periodic import Periodic
+from asyncrl.launch import SchedulerError, split_cores
+from asyncrl.observe.periodic import Periodic
 
 
 @pytest.mark.parametrize("cores, inference, trainer, n_servers, expected", [
@@ -41,7 +41,7 @@ def test_the_trainer_gets_its_cores_back_after_a_run(tmp_path):
     import torch
 
     from asyncrl.config.schema import SchedulerConfig
-    from asyncrl.scheduler import LocalScheduler
+    from asyncrl.launch import LocalScheduler
 
     before = (os.sched_getaffinity(0), torch.get_num_threads())
     with LocalScheduler(SchedulerConfig(), tmp_path) as scheduler:
@@ -94,7 +94,7 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture
 def local(tmp_path):
     from asyncrl.config.schema import SchedulerConfig
-    from asyncrl.scheduler import LocalScheduler
+    from asyncrl.launch import LocalScheduler
 
     with LocalScheduler(SchedulerConfig(startup_timeout=20), tmp_path) as scheduler:
         yield scheduler
@@ -103,7 +103,7 @@ def local(tmp_path):
 def test_local_workers_become_healthy_and_are_registered(local, tmp_path):
     import json
 
-    from asyncrl.scheduler import WorkerSpec, read_registry
+    from asyncrl.launch import WorkerSpec, read_registry
 
     workers = local.create_workers(WorkerSpec("agent", 2, health_server(), cpus=0))
     assert [w.index for w in workers] == [0, 1] and workers[0].port != workers[1].port
@@ -125,7 +125,7 @@ def test_a_core_share_widens_affinity_keeps_home_threads_and_is_removed(tmp_path
 
     from asyncrl.api import cores
     from asyncrl.config.schema import SchedulerConfig
-    from asyncrl.scheduler import LocalScheduler, WorkerSpec
+    from asyncrl.launch import LocalScheduler, WorkerSpec
 
     machine = sorted(os.sched_getaffinity(0))
     if len(machine) < 2:
@@ -152,7 +152,7 @@ def test_local_torch_distributed_workers_get_rank_variables_cores_and_threads(lo
     import json
     import os
 
-    from asyncrl.scheduler import WorkerSpec
+    from asyncrl.launch import WorkerSpec
 
     core = min(os.sched_getaffinity(0))
     spec = WorkerSpec("trainer", 2, health_server(str(tmp_path / "env-{index}.json")),
@@ -171,7 +171,7 @@ def test_local_restart_after_a_kill_and_delete_leave_no_process(local):
     import signal
     import time
 
-    from asyncrl.scheduler import WorkerSpec
+    from asyncrl.launch import WorkerSpec
 
     [old] = local.create_workers(WorkerSpec("inference", 1, health_server(), cpus=0))
     os.kill(old.pid, signal.SIGKILL)
@@ -191,8 +191,8 @@ def test_local_restart_after_a_kill_and_delete_leave_no_process(local):
 def test_a_fixed_port_is_kept_and_a_taken_one_is_an_error(local):
     import socket
 
-    from asyncrl.scheduler import WorkerSpec
-    from asyncrl.scheduler.base import free_port
+    from asyncrl.launch import WorkerSpec
+    from asyncrl.launch.base import free_port
 
     port = free_port()
     [worker] = local.create_workers(WorkerSpec("agent", 1, health_server(), cpus=0, port=port))
@@ -208,7 +208,7 @@ def test_a_fixed_port_is_kept_and_a_taken_one_is_an_error(local):
 def test_a_worker_that_exits_during_start_up_is_an_error_with_its_log(local):
     import sys
 
-    from asyncrl.scheduler import WorkerSpec
+    from asyncrl.launch import WorkerSpec
 
     crash = [sys.executable, "-c", "import sys; print('no model at {port}'); sys.exit(3)"]
     with pytest.raises(SchedulerError, match=r"exited with code 3 during start-up(.|\n)*no model"):
@@ -219,7 +219,7 @@ def test_a_worker_that_exits_during_start_up_is_an_error_with_its_log(local):
 def test_workers_started_without_waiting_are_waited_for_later(local, tmp_path):
     import sys
 
-    from asyncrl.scheduler import WorkerSpec, read_registry
+    from asyncrl.launch import WorkerSpec, read_registry
 
     workers = local.create_workers(WorkerSpec("agent", 1, health_server(), cpus=0), wait=False)
     assert not (tmp_path / "services.json").exists()  # registered once healthy
@@ -239,7 +239,7 @@ def test_launch_inference_servers_pins_cpu_servers_and_gives_gpu_servers_their_d
     from types import SimpleNamespace
 
     from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
-    from asyncrl.scheduler import LocalScheduler
+    from asyncrl.launch import LocalScheduler
 
     cores = sorted(os.sched_getaffinity(0))
     scheduler = LocalScheduler(SchedulerConfig(inference_threads=1, trainer_threads=1), tmp_path)
@@ -261,7 +261,7 @@ def test_make_scheduler_picks_the_configured_type(tmp_path):
     from types import SimpleNamespace
 
     from asyncrl.config.schema import ClusterConfig, SchedulerConfig
-    from asyncrl.scheduler import LocalScheduler, make_scheduler
+    from asyncrl.launch import LocalScheduler, make_scheduler
 
     assert isinstance(make_scheduler(SchedulerConfig(), ClusterConfig(), tmp_path), LocalScheduler)
     with pytest.raises(ValueError, match="scheduler.type='mesos' is not one of"):

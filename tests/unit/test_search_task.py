@@ -14,7 +14,7 @@ from asyncrl.agents.search import (
     score_answer,
     search_items,
 )
-from asyncrl.services.tool_calls import hermes_messages
+from asyncrl.openai.tool_calls import hermes_messages
 
 # n_entities=200 people -> 40 towns, 8 provinces, 100 inventions, 100 firms:
 # 200 birth + 40 location + 100 invention + 100 founding docs.

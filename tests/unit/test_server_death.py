@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.scheduler.base import Worker, WorkerDiedError, cause_line, log_size
-from asyncrl.trainers.rl import RLTrainer
+from asyncrl.launch.base import Worker, WorkerDiedError, cause_line, log_size
+from asyncrl.controller.rl import RLTrainer
 
 # The lines a vLLM CPU server wrote when a split prefill met a seeded request (shortened).
 VLLM_DEATH = """\
@@ -120,7 +120,7 @@ def test_two_failed_checks_in_a_row_are_needed_by_default(tmp_path):
 def _client_and_servers():
     from fake_vllm import FakeVLLMServers
 
-    from asyncrl.inference.vllm import VLLMInferenceEngine
+    from asyncrl.inference.client.vllm import VLLMInferenceEngine
 
     servers = FakeVLLMServers(2, token_s=0.001)
     client = VLLMInferenceEngine(servers.addresses, request_timeout=10,
@@ -151,7 +151,7 @@ def test_requests_leave_a_server_that_answers_500_and_then_fails_its_health_chec
 
 
 def test_a_500_from_a_healthy_server_is_the_request_s_error():
-    from asyncrl.inference.base import ServerStatusError
+    from asyncrl.inference.client.base import ServerStatusError
 
     client, servers = _client_and_servers()
     servers.errors = [True, True]  # both answer 500 yet pass their health checks

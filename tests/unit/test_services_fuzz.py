@@ -1,5 +1,5 @@
 """The gateway, the agent proxy and the training service fuzzed from their own OpenAPI
-descriptions (services/openapi.py, through fuzzing.py): no answer is a 5xx, whatever the
+descriptions (api/openapi.py, through fuzzing.py): no answer is a 5xx, whatever the
 body, with and without the right key.
 
 The gateway and the proxy answer from a real engine (a tiny random model in this
@@ -20,12 +20,12 @@ from serving import serving
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.config import load_config
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.engine.engine import LocalEngine
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.services.agent_proxy import AgentProxy
-from asyncrl.services.openai_api import openai_app
-from asyncrl.services.training import TrainingService
-from asyncrl.training.worker import RLWorker
+from asyncrl.agents.proxy import AgentProxy
+from asyncrl.openai.routes import openai_app
+from asyncrl.trainer.service import TrainingService
+from asyncrl.trainer.worker import RLWorker
 
 KEY = "fuzz-key-0123456789"
 ADMIN = "fuzz-admin-0123456789"

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from asyncrl.api import GenerationRequest, SamplingParams
-from asyncrl.inference.base import InferenceServerError, WeightUpdateError
-from asyncrl.inference.sglang import SGLangInferenceEngine
+from asyncrl.inference.client.base import InferenceServerError, WeightUpdateError
+from asyncrl.inference.client.sglang import SGLangInferenceEngine
 
 EXCHANGE = Path(__file__).resolve().parents[1] / "fixtures" / "sglang" / "exchange.json"
 

@@ -13,10 +13,11 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.offline import TrainEngineConfig
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
-from asyncrl.training import FSDPTrainEngine, FSDPValueEngine, logprob_head
-from asyncrl.training import engine as engine_module
-from asyncrl.training.attention import use_trie_attention
-from asyncrl.training.prefix import pack_prefixes
+from asyncrl.trainer import FSDPTrainEngine, FSDPValueEngine
+from asyncrl.trainer.cpu import logprob_head
+from asyncrl.trainer import engine as engine_module
+from asyncrl.trainer.cpu.attention import use_trie_attention
+from asyncrl.trainer.prefix import pack_prefixes
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -342,7 +343,7 @@ def test_the_yaml_key_reaches_the_engine_spec():
 
 
 def test_a_root_without_a_shared_prefix_forward_is_refused(tiny_path):
-    from asyncrl.training.reward import FSDPRewardEngine
+    from asyncrl.trainer.reward import FSDPRewardEngine
 
     spec = TrainEngineSpec(path=tiny_path, dtype="float32", shared_prefix=True,
                            mb_spec=MicroBatchSpec(granularity=2))

@@ -11,9 +11,9 @@ import pytest
 from test_scheduler import health_server, pid_alive
 
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.scheduler import SchedulerError, WorkerSpec, read_registry
-from asyncrl.scheduler.announce import tasks_on_node
-from asyncrl.scheduler.slurm import SlurmScheduler
+from asyncrl.launch import SchedulerError, WorkerSpec, read_registry
+from asyncrl.launch.announce import tasks_on_node
+from asyncrl.launch.slurm import SlurmScheduler
 
 # sbatch, srun, squeue, scancel and scontrol on one node: sbatch runs the script at once
 # (job ids 100, 101, ...), srun starts --ntasks local processes with Slurm's variables.
@@ -111,7 +111,7 @@ def test_the_sbatch_script_asks_for_the_roles_resources_and_runs_announce_under_
     assert any(line.startswith("export MASTER_PORT=$(") for line in lines)
     srun = lines[-1].split()
     assert srun[:2] == ["srun", "--ntasks=8"] and f"--output={tmp_path}/logs/trainer-%t.log" in srun
-    assert srun[srun.index("-m") + 1] == "asyncrl.scheduler.announce"
+    assert srun[srun.index("-m") + 1] == "asyncrl.launch.announce"
     assert srun[srun.index("--dir") + 1] == str(tmp_path / "services" / "trainer")
     one = scheduler.script(spec, index=3)
     assert "#SBATCH --ntasks=1" in one and "--index 3" in one and "#SBATCH --nodes=1" in one
@@ -172,7 +172,7 @@ def test_announce_picks_a_port_writes_where_and_becomes_the_command(tmp_path):
     command = [sys.executable, "-c", "import os, sys; print(os.getpid(), *sys.argv[1:])",
                "{host}", "{port}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.scheduler.announce", "--dir", str(tmp_path),
+        [sys.executable, "-m", "asyncrl.launch.announce", "--dir", str(tmp_path),
          "--host", "127.0.0.1", "--", *command],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, SLURM_PROCID="3"))
     out, _ = proc.communicate(timeout=20)
@@ -189,7 +189,7 @@ def test_slurm_tasks_per_node_is_read_per_node(tasks_per_node, node, expected):
 
 def test_make_scheduler_passes_the_slurm_section(tmp_path):
     from asyncrl.config.schema import ClusterConfig, SlurmConfig
-    from asyncrl.scheduler import make_scheduler
+    from asyncrl.launch import make_scheduler
 
     cfg = SchedulerConfig(type="slurm")
     slurm_cfg = SlurmConfig(partition="gpu", time="1:00:00", extra_sbatch_args=["--qos=high"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncrl.rollout import StalenessManager
+from asyncrl.controller.rollout import StalenessManager
 
 
 @pytest.mark.parametrize(

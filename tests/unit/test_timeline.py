@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse
-from asyncrl.inference.base import HTTPInferenceEngine
+from asyncrl.inference.client.base import HTTPInferenceEngine
 from asyncrl.observe.timeline import Timeline, busy_shares, plot_timeline, read_timeline
 from asyncrl.observe.timing import StepTimer
 

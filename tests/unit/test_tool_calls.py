@@ -14,10 +14,10 @@ from serving import serving
 from asyncrl.agents.capture import export
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.models.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
-from asyncrl.services.agent_proxy import AgentProxy
-from asyncrl.services.detokenize import detokenize
-from asyncrl.services.openai_api import OpenAIRoutes, openai_app
-from asyncrl.services.tool_calls import (
+from asyncrl.agents.proxy import AgentProxy
+from asyncrl.openai.detokenize import detokenize
+from asyncrl.openai.routes import OpenAIRoutes, openai_app
+from asyncrl.openai.tool_calls import (
     FORMATS,
     ToolCallHold,
     detect_tool_format,

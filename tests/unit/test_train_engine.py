@@ -12,18 +12,13 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training import (
-    FSDPTrainEngine,
-    logprob_head,
-    precision,
-    split_across_ranks,
-    split_by_token_budget,
-)
-from asyncrl.training import engine as engine_module
-from asyncrl.training import optim
-from asyncrl.training.dist import free_port
-from asyncrl.training.optim import lr_factor
-from asyncrl.training.updates import merge_update_stats, split_minibatches, train_epochs
+from asyncrl.trainer import FSDPTrainEngine, split_across_ranks, split_by_token_budget
+from asyncrl.trainer.cpu import logprob_head, precision
+from asyncrl.trainer import engine as engine_module
+from asyncrl.trainer.cpu import optim
+from asyncrl.trainer.dist import free_port
+from asyncrl.trainer.cpu.optim import lr_factor
+from asyncrl.trainer.updates import merge_update_stats, split_minibatches, train_epochs
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -243,7 +238,7 @@ def test_step_variants_train_every_parameter_and_keep_logprobs_close(tiny_path, 
                          ids=["plain", "gradient_checkpointing", "shared_prefix"])
 def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypatch, overrides):
     # One rank keeps bf16 copies of the fp32 masters instead of FSDP2's per-step gathers
-    # (training/precision.py). Same casts, bf16 gradients summed in fp32 over micro-batches,
+    # (trainer/cpu/precision.py). Same casts, bf16 gradients summed in fp32 over micro-batches,
     # the tied embedding's two uses meeting in one copy: FSDP2's numbers exactly, over two
     # steps of four micro-batches each, an eval forward between them. (The tied embedding's
     # gradient sink is off here: it sums those two uses in fp32, the next test; so are the
@@ -427,7 +422,7 @@ def test_minibatches_are_consecutive_rows_so_groups_stay_together():
 
 
 def test_a_rank_shown_one_gpu_uses_it_and_one_shown_all_takes_its_local_rank():
-    from asyncrl.training.dist import gpu_index
+    from asyncrl.trainer.dist import gpu_index
 
     assert [gpu_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # CUDA_VISIBLE_DEVICES=<its id>
     assert [gpu_index(r, 8) for r in range(8)] == list(range(8))  # torchrun, all GPUs shown

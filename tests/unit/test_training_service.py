@@ -14,14 +14,14 @@ from batches import random_batch
 from safetensors.torch import load_file
 
 from asyncrl.config import load_config, to_yaml
-from asyncrl.services.training import (
+from asyncrl.trainer.service import (
     TrainingClient,
     TrainingServiceError,
     decode_batch,
     encode_batch,
 )
-from asyncrl.training.dist import free_port
-from asyncrl.training.worker import RLWorker
+from asyncrl.trainer.dist import free_port
+from asyncrl.trainer.worker import RLWorker
 
 
 def test_a_batch_round_trips_through_its_bytes_with_unset_fields_left_out():
@@ -47,7 +47,7 @@ def test_a_body_that_is_not_a_batch_is_refused_with_the_reason():
 
 
 def test_a_batch_file_is_read_from_shared_memory_only():
-    from asyncrl.services.training import batch_from_request
+    from asyncrl.trainer.service import batch_from_request
 
     tb = random_batch(seed=4)
     with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="asyncrl-batch-") as f:
@@ -92,7 +92,7 @@ def _start_ranks(config_path, world_size, **env_extra):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    **env_extra)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.services.training", "--config", str(config_path),
+            [sys.executable, "-m", "asyncrl.trainer.service", "--config", str(config_path),
              "--port", "0", "--threads", "1"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     addresses = []

@@ -1,4 +1,4 @@
-"""The trie attention's matmul path on the CPU in bf16 (training/attention.py): its C softmax
+"""The trie attention's matmul path on the CPU in bf16 (trainer/cpu/attention.py): its C softmax
 against torch's, and its forward and backward against float64 attention on the same inputs.
 
 The path rounds the scores to bf16 before the softmax and each matmul's output once; SDPA's
@@ -11,7 +11,7 @@ a key wrongly allowed or hidden moves the output by >10%.
 import pytest
 import torch
 
-from asyncrl.training import attention
+from asyncrl.trainer.cpu import attention
 
 pytestmark = pytest.mark.skipif(attention._kernels() is None, reason="no C compiler")
 

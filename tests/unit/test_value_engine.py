@@ -8,7 +8,7 @@ from asyncrl.algorithms import make_value_loss_fn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import CriticConfig, OptimizerConfig
-from asyncrl.training import FSDPValueEngine
+from asyncrl.trainer import FSDPValueEngine
 
 pytestmark = pytest.mark.usefixtures("process_group")
 

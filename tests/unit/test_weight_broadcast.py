@@ -29,13 +29,13 @@ from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.api.errors import InferenceError
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import ActorConfig
-from asyncrl.engine.model import Transformer, Weights
-from asyncrl.inference import RemoteInferenceEngine
-from asyncrl.inference.base import WeightUpdateError
-from asyncrl.inference.sglang import SGLangInferenceEngine
-from asyncrl.inference.vllm import VLLMInferenceEngine
+from asyncrl.inference.server.model import Transformer, Weights
+from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client.base import WeightUpdateError
+from asyncrl.inference.client.sglang import SGLangInferenceEngine
+from asyncrl.inference.client.vllm import VLLMInferenceEngine
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training.dist import free_port
+from asyncrl.trainer.dist import free_port
 from asyncrl.weights import (
     BroadcastPublisher,
     WeightPublisher,
@@ -58,7 +58,7 @@ def tiny(tmp_path_factory) -> str:
 def server(model: str, dtype: str = "float32") -> Iterator[subprocess.Popen]:
     """Our inference server on a free loopback port (`proc.address`)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.engine.server", "--model", model, "--port", "0",
+        [sys.executable, "-m", "asyncrl.inference.server.app", "--model", model, "--port", "0",
          "--dtype", dtype, "--threads", "1", "--max-batch-size", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -302,7 +302,7 @@ def test_a_trainer_gone_mid_broadcast_leaves_the_old_weights_served_then_an_upda
 
 
 def _two_rank_worker(rank: int, port: int, model: str, address: str, out: str) -> None:
-    from asyncrl.training import FSDPTrainEngine
+    from asyncrl.trainer import FSDPTrainEngine
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -337,8 +337,8 @@ def test_two_trainer_ranks_gather_in_lockstep_and_rank_0_broadcasts(tiny, tmp_pa
 
 
 def test_server_refuses_updates_it_cannot_take_and_keeps_serving(tiny):
-    from asyncrl.engine.engine import LocalEngine
-    from asyncrl.engine.server import InferenceServer
+    from asyncrl.inference.server.engine import LocalEngine
+    from asyncrl.inference.server.app import InferenceServer
 
     engine = LocalEngine(tiny)
     engine.start()

@@ -73,7 +73,7 @@ class ActorConfig:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
     gradient_checkpointing: bool = False
     # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
-    # once per micro-batch, as a token trie with exact gradients (training/prefix.py); the
+    # once per micro-batch, as a token trie with exact gradients (trainer/prefix.py); the
     # reference and teacher log-probs follow this switch.
     shared_prefix: bool = False
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
