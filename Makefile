@@ -53,7 +53,9 @@ quickstart: $(STAMP)
 
 # Ray binds every interface: its tests run in a private network namespace where only the
 # loopback interface exists (root or user namespaces needed; skipped, with a note, if not).
+# lint-imports first: the package layers and no import cycles (pyproject.toml).
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	@if unshare --net true 2>/dev/null; then \
 		RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 unshare --net sh -c \

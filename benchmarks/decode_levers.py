@@ -26,7 +26,12 @@ import torch
 
 from asyncrl.api.types import SamplingParams
 from asyncrl.inference.server import cpu_decode as cpu
-from asyncrl.inference.server.model import Transformer, Weights, hf_shapes, read_checkpoint
+from asyncrl.inference.server.model import (
+    Transformer,
+    Weights,
+    hf_shapes,
+    read_checkpoint,
+)
 from asyncrl.inference.server.sampling import SamplingBatch, sample
 from asyncrl.models.hub import resolve_model_path
 

@@ -27,9 +27,9 @@ import aiohttp
 import torch
 
 from asyncrl.inference.server.bench import prompts
-from asyncrl.models.hub import resolve_model_path
 from asyncrl.launch.commands import server_command
 from asyncrl.launch.local import free_port
+from asyncrl.models.hub import resolve_model_path
 
 
 class Server:

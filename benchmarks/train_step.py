@@ -72,6 +72,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
 from asyncrl.trainer import FSDPTrainEngine
+from asyncrl.trainer import engine as engine_module
 from asyncrl.trainer.cpu import (
     attention,
     grad_ops,
@@ -83,7 +84,6 @@ from asyncrl.trainer.cpu import (
     precision,
     rope,
 )
-from asyncrl.trainer import engine as engine_module
 from asyncrl.trainer.microbatch import to_device
 from asyncrl.trainer.prefix import pack_prefixes
 

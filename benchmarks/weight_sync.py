@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.trainer import FSDPTrainEngine
 from asyncrl.weights import BroadcastPublisher, WeightPublisher

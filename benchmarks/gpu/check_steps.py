@@ -71,8 +71,9 @@ def sync(device: str) -> None:
 
 def load_tokenizer(assets: str | None):
     """SmolLM2's tokenizer from the assets folder, else the tiny byte-level one (no files)."""
-    from asyncrl.models.tiny import make_tiny_tokenizer
     from transformers import AutoTokenizer
+
+    from asyncrl.models.tiny import make_tiny_tokenizer
 
     folder = Path(assets or "", "tokenizer")
     if assets and (folder / "tokenizer.json").is_file():
@@ -235,9 +236,10 @@ def peak_memory(device: str) -> int:
 def train(spec: dict, size: dict, out: dict, held: dict) -> None:
     """Training steps in bf16 through FSDPTrainEngine.train_batch; the engine goes into
     `held` once initialised (publishing needs it even if a step fails)."""
+    from train_step import non_embedding_params
+
     from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
     from asyncrl.trainer import FSDPTrainEngine
-    from train_step import non_embedding_params
 
     device = spec["device"]
     t0 = time.perf_counter()

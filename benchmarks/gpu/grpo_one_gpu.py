@@ -39,11 +39,11 @@ import torch
 
 from asyncrl.api import Batch, GenerationRequest, Trajectory
 from asyncrl.config import load_config, to_yaml
-from asyncrl.observe import read_stats
-from asyncrl.launch.base import make_scheduler
 from asyncrl.controller.launch import launch
-from asyncrl.observe.paths import RunPaths, setup_logging
 from asyncrl.controller.rl import RLTrainer
+from asyncrl.launch.base import make_scheduler
+from asyncrl.observe import read_stats
+from asyncrl.observe.paths import RunPaths, setup_logging
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,4 +1,8 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`."""
+"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`.
+
+Each command imports what it runs inside its function: torch and the trainer load only for
+the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -25,28 +29,9 @@ def _offline(args: argparse.Namespace) -> int:
 
     With allocation_mode fsdp:d<N>, N > 1, outside torchrun: starts and waits for N ranks.
     """
-    from asyncrl.config import load_config
-    from asyncrl.config.offline import TRAINER_SCHEMAS
     from asyncrl.offline import launch as offline_launch
 
-    cfg = load_config(args.config, args.overrides, schema=TRAINER_SCHEMAS[args.command])
-    summary = offline_launch.run(args.command, cfg)
-    print_offline_summary(summary)
-    return 0
-
-
-def print_offline_summary(summary: dict) -> None:
-    """Held-out figures before -> after training, and where the run and model are."""
-    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    print("\n== asyncrl run finished ==")
-    print(f"run directory : {summary['run_dir']}")
-    for key in sorted(set(before) | set(after)):
-        b, a = before.get(key), after.get(key)
-        text = " -> ".join(f"{v:.4f}" for v in (b, a) if v is not None)
-        print(f"held-out {key:16s}: {text}" + (f"  ({a - b:+.4f})" if None not in (a, b) else ""))
-    for key in ("stats", "model_dir"):
-        if key in summary:
-            print(f"{key:14s}: {summary[key]}")
+    return offline_launch.run_command(args.command, args.config, args.overrides)
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -104,9 +89,9 @@ def _serve_backend(args: argparse.Namespace) -> int:
     import tempfile
 
     from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
-    from asyncrl.models.hub import resolve_model_path
+    from asyncrl.inference import gateway
     from asyncrl.launch.local import LocalScheduler
-    from asyncrl.openai import gateway
+    from asyncrl.models.hub import resolve_model_path
 
     if args.export_dir and not args.admin_key:
         raise SystemExit("asyncrl serve: --export-dir records agent sessions, which need "

@@ -8,10 +8,10 @@ import pytest
 from procs import server_pids
 
 from asyncrl.config import load_config
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 from asyncrl.observe.timeline import read_timeline
-from asyncrl.controller.rl import train
 
 pytestmark = pytest.mark.integration
 

@@ -133,7 +133,7 @@ def test_bad_request_and_missing_key_are_openai_errors(client, server, model):
 
 @pytest.mark.integration
 def test_gateway_in_front_of_the_server_answers_like_the_server(client, server, model):
-    proc, url = _start(["asyncrl.openai.gateway", "--backend-url", server, "--port", "0"])
+    proc, url = _start(["asyncrl.inference.gateway", "--backend-url", server, "--port", "0"])
     try:
         via = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         out = via.completions.create(model=model, prompt=PROMPT, **GREEDY)

@@ -17,9 +17,9 @@ from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
 from asyncrl.inference.client.base import WeightUpdateError
 from asyncrl.inference.client.vllm import VLLMInferenceEngine
-from asyncrl.models.tiny import make_tiny_model
 from asyncrl.launch import LocalScheduler
 from asyncrl.launch.local import free_port
+from asyncrl.models.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
 

@@ -17,8 +17,8 @@ from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
 from asyncrl.inference.client.vllm import VLLMInferenceEngine
-from asyncrl.models.tiny import make_tiny_model
 from asyncrl.launch import LocalScheduler
+from asyncrl.models.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
 

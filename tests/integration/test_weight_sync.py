@@ -20,8 +20,8 @@ from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import SchedulerConfig
 from asyncrl.inference.client import RemoteInferenceEngine
-from asyncrl.models.tiny import make_tiny_model
 from asyncrl.launch import LocalScheduler
+from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer import FSDPTrainEngine
 from asyncrl.weights import WeightPublisher
 

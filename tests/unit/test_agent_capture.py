@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from asyncrl.agents.capture import Completion, export, parents, returns
-from asyncrl.openai.drift import check_template_drift
 from asyncrl.agents.online import OnlineAdmission, TaskBaseline
 from asyncrl.agents.runner import parse_reward_line, resolve_agent
 from asyncrl.agents.session import SessionStatus, SessionStore
 from asyncrl.algorithms.advantages import normalize
 from asyncrl.api.types import Batch, StopReason, Trajectory
 from asyncrl.models.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
+from asyncrl.openai.drift import check_template_drift
 
 
 def comp(cid: str, prompt: list[int], output: list[int], reward: float | None = None,

@@ -10,10 +10,10 @@ import openai
 import pytest
 
 from asyncrl.agents.capture import export
+from asyncrl.agents.proxy import AgentProxy
 from asyncrl.agents.session import SessionStatus
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.agents.proxy import AgentProxy
 from asyncrl.openai.tool_calls import hermes_messages
 
 ADMIN = "admin-key-123"
@@ -368,8 +368,8 @@ def test_streamed_responses_and_anthropic_requests_are_recorded_too(tokenizer):
 def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenizer, where):
     """The same episodes with the proxy in this process and behind the agent service's
     HTTP client (agents/service.py): a version-lagged session drops its episode."""
-    from asyncrl.agents.service import AgentClient, AgentService
     from asyncrl.agents.proxy import LocalSessions
+    from asyncrl.agents.service import AgentClient, AgentService
     from asyncrl.controller.workflows.agent import AgentSpec, AgentWorkflow
 
     version = {"v": 0}

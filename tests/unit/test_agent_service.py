@@ -8,9 +8,9 @@ import openai
 import pytest
 from test_agent_proxy import ADMIN, ScriptedEngine, post, root, run
 
-from asyncrl.models.tiny import make_tiny_tokenizer
-from asyncrl.agents.service import AgentClient, AgentService, AgentServiceError
 from asyncrl.agents.proxy import AgentProxy
+from asyncrl.agents.service import AgentClient, AgentService, AgentServiceError
+from asyncrl.models.tiny import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from asyncrl.api.errors import InferenceError
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.openai.anthropic import AnthropicRoutes
-from asyncrl.openai.routes import openai_app
 from asyncrl.openai.protocol import OpenAIError
 from asyncrl.openai.responses import ResponsesRoutes
+from asyncrl.openai.routes import openai_app
 
 MODEL = "served-model"
 KEY = "sk-test"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.cli import build_parser
+from asyncrl.inference import gateway
 from asyncrl.inference.client.local import RemoteInferenceEngine
 from asyncrl.inference.client.sglang import SGLangInferenceEngine
 from asyncrl.inference.client.vllm import VLLMInferenceEngine
-from asyncrl.openai import gateway
 
 
 def test_serve_defaults_to_the_local_backend_on_loopback():

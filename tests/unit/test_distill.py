@@ -18,9 +18,9 @@ from asyncrl.algorithms import (
 from asyncrl.api.types import TensorBatch
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.schema import ActorConfig, GenerationConfig, NormConfig
+from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.trainer.frozen import check_shared_vocab, make_teacher_engine
-from asyncrl.controller.workflows import RLVRWorkflow
 
 EPS = 1e-5
 E = math.e

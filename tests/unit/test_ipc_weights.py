@@ -17,21 +17,27 @@ import pytest
 import requests
 import torch
 from aiohttp import web
+from serving import serving
 
 from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.inference.server.engine import LocalEngine
-from asyncrl.inference.server.app import InferenceServer
 from asyncrl.inference.client import RemoteInferenceEngine
 from asyncrl.inference.client.base import WeightIpc
 from asyncrl.inference.client.vllm import VLLMInferenceEngine, ipc_update_info
-from asyncrl.trainer.service import TrainingService
+from asyncrl.inference.server.app import InferenceServer
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.trainer import FSDPTrainEngine
+from asyncrl.trainer.service import TrainingService
 from asyncrl.trainer.worker import RLWorker
 from asyncrl.weights import ipc
-from asyncrl.weights.ipc import IpcExporter, IpcHandle, IpcImporter, IpcPublisher, parse_update
-from serving import serving
+from asyncrl.weights.ipc import (
+    IpcExporter,
+    IpcHandle,
+    IpcImporter,
+    IpcPublisher,
+    parse_update,
+)
 
 # bf16 compute on both sides: about 3 significant digits on log-probs of magnitude ~5
 # (test_train_engine's bf16 tolerance).

@@ -6,7 +6,12 @@ import pytest
 import torch
 from batches import hand_batch as make_batch
 
-from asyncrl.algorithms import compute_advantages, kl_estimate, kl_loss, make_ppo_loss_fn
+from asyncrl.algorithms import (
+    compute_advantages,
+    kl_estimate,
+    kl_loss,
+    make_ppo_loss_fn,
+)
 from asyncrl.api.types import TensorBatch
 from asyncrl.config import load_config
 from asyncrl.config.schema import ActorConfig, NormConfig

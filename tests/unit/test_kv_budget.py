@@ -6,9 +6,9 @@ import torch
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.inference.server import memory
+from asyncrl.inference.server.app import parse_args
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.inference.server.model import load_config
-from asyncrl.inference.server.app import parse_args
 
 
 def test_a_slot_holds_keys_and_values_of_every_layer_over_max_seq_len():

@@ -20,8 +20,8 @@ from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer import engine as engine_module
 from asyncrl.trainer.cpu import logprob_head
-from asyncrl.trainer.engine import FSDPTrainEngine
 from asyncrl.trainer.cpu.logprob_head import token_logprobs
+from asyncrl.trainer.engine import FSDPTrainEngine
 from asyncrl.trainer.value import FSDPValueEngine
 
 pytestmark = [pytest.mark.device, pytest.mark.usefixtures("process_group")]

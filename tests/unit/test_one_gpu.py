@@ -8,8 +8,8 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.allocation import Allocation, parse_allocation_mode
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.launch.local import LocalScheduler, SchedulerError, _Proc
 from asyncrl.controller.launch import launch
+from asyncrl.launch.local import LocalScheduler, SchedulerError, _Proc
 from asyncrl.observe.paths import RunPaths
 
 

@@ -10,7 +10,12 @@ import openai
 import pytest
 from serving import serving
 
-from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason, mix_seed
+from asyncrl.api.types import (
+    GenerationRequest,
+    GenerationResponse,
+    StopReason,
+    mix_seed,
+)
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.openai.routes import openai_app
 

@@ -3,10 +3,11 @@
 from pathlib import Path
 
 from asyncrl.config import load_config
+from asyncrl.controller.launch import launch
 from asyncrl.launch.base import Worker
-from asyncrl.trainer.service import TrainingClient
-from asyncrl.controller.launch import launch, rank_cores
+from asyncrl.launch.local import rank_cores
 from asyncrl.observe.paths import RunPaths
+from asyncrl.trainer.service import TrainingClient
 
 
 class RecordingScheduler:

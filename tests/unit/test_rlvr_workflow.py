@@ -9,10 +9,10 @@ import pytest
 from asyncrl.api.protocols import Workflow
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.config.schema import GenerationConfig
+from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data import build_messages, encode_chat
 from asyncrl.models.tiny import make_tiny_tokenizer
 from asyncrl.rewards import RewardError, RewardRunner, gsm8k_reward
-from asyncrl.controller.workflows import RLVRWorkflow
 
 ITEM = {"id": "gsm8k-1", "question": "What is 9 * 2?", "answer": "18", "task": "gsm8k"}
 SYSTEM = "End with #### N."

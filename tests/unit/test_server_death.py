@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.launch.base import Worker, WorkerDiedError, cause_line, log_size
 from asyncrl.controller.rl import RLTrainer
+from asyncrl.launch.base import Worker, WorkerDiedError, cause_line, log_size
 
 # The lines a vLLM CPU server wrote when a split prefill met a seeded request (shortened).
 VLLM_DEATH = """\

@@ -12,8 +12,8 @@ import requests
 from fuzzing import assert_idle_connections_do_not_starve, fuzz
 from serving import serving
 
-from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.inference.server.app import InferenceServer
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
 
 KEY = "fuzz-key-0123456789"

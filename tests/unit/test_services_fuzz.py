@@ -17,12 +17,12 @@ import requests
 from fuzzing import assert_idle_connections_do_not_starve, fuzz, oversized_status
 from serving import serving
 
+from asyncrl.agents.proxy import AgentProxy
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.config import load_config
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.agents.proxy import AgentProxy
 from asyncrl.openai.routes import openai_app
 from asyncrl.trainer.service import TrainingService
 from asyncrl.trainer.worker import RLWorker

@@ -14,8 +14,8 @@ from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.offline import TrainEngineConfig
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.trainer import FSDPTrainEngine, FSDPValueEngine
-from asyncrl.trainer.cpu import logprob_head
 from asyncrl.trainer import engine as engine_module
+from asyncrl.trainer.cpu import logprob_head
 from asyncrl.trainer.cpu.attention import use_trie_attention
 from asyncrl.trainer.prefix import pack_prefixes
 

@@ -12,9 +12,9 @@ import pytest
 from serving import serving
 
 from asyncrl.agents.capture import export
+from asyncrl.agents.proxy import AgentProxy
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.models.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
-from asyncrl.agents.proxy import AgentProxy
 from asyncrl.openai.detokenize import detokenize
 from asyncrl.openai.routes import OpenAIRoutes, openai_app
 from asyncrl.openai.tool_calls import (

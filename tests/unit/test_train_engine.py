@@ -13,11 +13,10 @@ from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer import FSDPTrainEngine, split_across_ranks, split_by_token_budget
-from asyncrl.trainer.cpu import logprob_head, precision
 from asyncrl.trainer import engine as engine_module
-from asyncrl.trainer.cpu import optim
-from asyncrl.trainer.dist import free_port
+from asyncrl.trainer.cpu import logprob_head, optim, precision
 from asyncrl.trainer.cpu.optim import lr_factor
+from asyncrl.trainer.dist import free_port
 from asyncrl.trainer.updates import merge_update_stats, split_minibatches, train_epochs
 
 pytestmark = pytest.mark.usefixtures("process_group")

@@ -14,13 +14,13 @@ from batches import random_batch
 from safetensors.torch import load_file
 
 from asyncrl.config import load_config, to_yaml
+from asyncrl.trainer.dist import free_port
 from asyncrl.trainer.service import (
     TrainingClient,
     TrainingServiceError,
     decode_batch,
     encode_batch,
 )
-from asyncrl.trainer.dist import free_port
 from asyncrl.trainer.worker import RLWorker
 
 

@@ -29,11 +29,11 @@ from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.api.errors import InferenceError
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import ActorConfig
-from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.inference.client import RemoteInferenceEngine
 from asyncrl.inference.client.base import WeightUpdateError
 from asyncrl.inference.client.sglang import SGLangInferenceEngine
 from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer.dist import free_port
 from asyncrl.weights import (
@@ -337,8 +337,8 @@ def test_two_trainer_ranks_gather_in_lockstep_and_rank_0_broadcasts(tiny, tmp_pa
 
 
 def test_server_refuses_updates_it_cannot_take_and_keeps_serving(tiny):
-    from asyncrl.inference.server.engine import LocalEngine
     from asyncrl.inference.server.app import InferenceServer
+    from asyncrl.inference.server.engine import LocalEngine
 
     engine = LocalEngine(tiny)
     engine.start()

@@ -51,12 +51,24 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from asyncrl.agents.capture import Completion
-from asyncrl.agents.session import LOST, Session, SessionError, SessionStatus, SessionStore
-from asyncrl.api.types import GenerationRequest, GenerationResponse
-from asyncrl.openai.detokenize import detokenize
+from asyncrl.agents.export import SessionWriter
+from asyncrl.agents.session import (
+    LOST,
+    Session,
+    SessionError,
+    SessionStatus,
+    SessionStore,
+)
+from asyncrl.api import openapi
 from asyncrl.api.http import SHUTDOWN_GRACE_S
-from asyncrl.openai.routes import OpenAIRoutes, _checked_body, _json_or_none
+from asyncrl.api.types import GenerationRequest, GenerationResponse
+from asyncrl.inference.gateway import backend_model, load_tokenizer, make_engine
+from asyncrl.openai.anthropic import AnthropicRoutes
+from asyncrl.openai.detokenize import detokenize
+from asyncrl.openai.drift import check_template_drift
 from asyncrl.openai.protocol import OpenAIError
+from asyncrl.openai.responses import ResponsesRoutes
+from asyncrl.openai.routes import OpenAIRoutes, _checked_body, _json_or_none
 
 logger = logging.getLogger(__name__)
 _MAX_ENDED_KEYS = 100_000  # keys of ended sessions remembered, to answer 409 rather than 401
@@ -268,9 +280,6 @@ class AgentProxy:
     # ---- serving ----------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        from asyncrl.openai.anthropic import AnthropicRoutes
-        from asyncrl.openai.responses import ResponsesRoutes
-
         app = web.Application(client_max_size=_MAX_BODY)
         app.add_routes([
             web.get("/health", self._health),
@@ -327,8 +336,6 @@ class AgentProxy:
                                   "active_sessions": len(self.store.active())})
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        from asyncrl.api import openapi
-
         return web.json_response(openapi.agent_proxy(self.model_name))
 
     def is_admin(self, request: web.Request) -> bool:
@@ -646,10 +653,6 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
 
     Each finished session is written to `export_dir` (sessions.jsonl, trajectories.jsonl).
     """
-    from asyncrl.agents.export import SessionWriter
-    from asyncrl.openai.drift import check_template_drift
-    from asyncrl.openai.gateway import backend_model, load_tokenizer, make_engine
-
     engine = make_engine(backend, url, os.environ.get("ASYNCRL_API_KEY") or None)
     await engine.wait_healthy(timeout=startup_timeout)
     if tokenizer is None:

@@ -41,9 +41,19 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from asyncrl.agents.export import SessionWriter
+from asyncrl.agents.proxy import (
+    AgentProxy,
+    CloseOutcome,
+    _error,
+    _rl_body,
+    serve_until_signalled,
+)
 from asyncrl.agents.session import Session
-from asyncrl.config import ExperimentConfig
-from asyncrl.agents.proxy import AgentProxy, CloseOutcome, _error, _rl_body
+from asyncrl.config import ExperimentConfig, load_config
+from asyncrl.inference.gateway import load_tokenizer
+from asyncrl.inference.router import add_inference_args, inference_engine
+from asyncrl.openai.drift import check_template_drift
 
 logger = logging.getLogger(__name__)
 GRANT_TIMEOUT = 30.0  # seconds an online grant waits for a client before it lapses
@@ -61,8 +71,6 @@ def forced_sampling(cfg: ExperimentConfig, eos_token_id: int | None) -> dict[str
 def build_proxy(cfg: ExperimentConfig, tokenizer: Any, engine: Any, *,
                 version: Callable[[], int], admin_key: str | None) -> AgentProxy:
     """The proxy of an RL run as `cfg.agent` says (in the controller or in this service)."""
-    from asyncrl.agents.export import SessionWriter
-
     a = cfg.agent
     writer = (SessionWriter(a.export_dir, style=a.export_style, discount=a.turn_discount)
               if a.export_dir else None)
@@ -182,11 +190,6 @@ async def serve(cfg: ExperimentConfig, args: argparse.Namespace, admin_key: str)
 
     It generates through the run's router when there is one, else its own client of the
     servers."""
-    from asyncrl.agents.proxy import serve_until_signalled
-    from asyncrl.openai.drift import check_template_drift
-    from asyncrl.openai.gateway import load_tokenizer
-    from asyncrl.inference.router import inference_engine
-
     r = cfg.rollout
     engine = inference_engine(args, r.backend, request_timeout=r.request_timeout,
                               request_retries=r.request_retries)
@@ -198,9 +201,6 @@ async def serve(cfg: ExperimentConfig, args: argparse.Namespace, admin_key: str)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from asyncrl.config import load_config
-    from asyncrl.inference.router import add_inference_args
-
     p = argparse.ArgumentParser(prog="python -m asyncrl.agents.service",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's resolved config.yaml")

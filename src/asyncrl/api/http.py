@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import signal
 import threading
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+PUBLIC_PATHS = ("/health", "/openapi.json")  # answered without the API key
+
+
+def key_matches(request: web.Request, api_key: str) -> bool:
+    """Constant-time check of the request's bearer token."""
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
 
 def bearer_auth(api_key: str | None, open_paths: tuple[str, ...] = ("/health",)):
     """aiohttp middleware: every path but `open_paths` needs `Authorization: Bearer <api_key>`
     (none needed when `api_key` is None); 401 otherwise."""
-    import hmac
-
     @web.middleware
     async def auth(request: web.Request, handler):
         if api_key and request.path not in open_paths:

@@ -75,7 +75,7 @@ class SchedulerConfig:
     # that both go through; `auto`: inline under the local scheduler, else service.
     router: Literal["auto", "inline", "service"] = "auto"
     # Who carries each weight version from the trainer ranks to the servers: `inline` the
-    # controller, `service` a weight-update process (weights/service.py; needs the
+    # controller, `service` a weight-update process (controller/weight_update.py; needs the
     # trainer ranks as a service); `auto`: service off the local scheduler when the trainer
     # ranks are a service, else inline.
     weight_update: Literal["auto", "inline", "service"] = "auto"

@@ -17,13 +17,13 @@ import logging
 from typing import Any
 
 from asyncrl.agents.online import OnlineAdmission, TaskBaseline
+from asyncrl.agents.proxy import LocalSessions
 from asyncrl.agents.runner import SubprocessAgent, resolve_agent
+from asyncrl.agents.service import AgentClient, AgentServiceError, build_proxy
 from asyncrl.agents.session import Session
 from asyncrl.config import ExperimentConfig
-from asyncrl.agents.service import AgentClient, AgentServiceError, build_proxy
-from asyncrl.agents.proxy import LocalSessions
-from asyncrl.openai.drift import check_template_drift
 from asyncrl.controller.workflows.agent import AgentSpec, AgentWorkflow
+from asyncrl.openai.drift import check_template_drift
 
 logger = logging.getLogger(__name__)
 

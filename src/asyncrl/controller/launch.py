@@ -12,7 +12,7 @@ and takes an API key made for the run):
   unless it runs on the controller's rollout loop (`scheduler.agent`: auto is inline
   under the local scheduler);
 - `weight_update`: the process that carries each version from the trainer ranks to the
-  servers (`weights/service.py`), unless the controller does (`scheduler.weight_update`:
+  servers (`controller/weight_update.py`), unless the controller does (`scheduler.weight_update`:
   auto is a service off the local scheduler when the trainer ranks are one).
 On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after);
 colocated (allocation_mode with '|') server i and rank i share GPU i, each with its share of
@@ -31,17 +31,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncrl.agents.service import AgentClient
 from asyncrl.api import Trainer
 from asyncrl.api.cores import ENV as CORE_SHARE_ENV
 from asyncrl.config import ExperimentConfig
-from asyncrl.models.hub import resolve_model_path
+from asyncrl.controller.weight_update import WeightUpdateClient
 from asyncrl.launch.base import Scheduler, WorkerSpec
 from asyncrl.launch.commands import inference_spec
-from asyncrl.launch.local import LocalScheduler, split_cores
-from asyncrl.agents.service import AgentClient
-from asyncrl.trainer.service import TrainingClient
-from asyncrl.weights.service import WeightUpdateClient
+from asyncrl.launch.local import LocalScheduler, rank_cores, split_cores
+from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe.paths import RunPaths
+from asyncrl.trainer.service import TrainingClient
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,11 @@ def weight_update_in_service(cfg: ExperimentConfig) -> bool:
 def weight_update_spec(config_path: str, ranks: list[str], servers: list[str],
                        router: str | None, *, keys: dict[str, str | None],
                        local: bool) -> WorkerSpec:
-    """The weight-update service (weights/service.py) between `ranks` and the servers."""
+    """The weight-update service (controller/weight_update.py) between `ranks` and the servers."""
     env = {name: key for name, key in keys.items() if key}
     return WorkerSpec(
         role="weight_update", count=1,
-        command=[sys.executable, "-m", "asyncrl.weights.service", "--config",
+        command=[sys.executable, "-m", "asyncrl.controller.weight_update", "--config",
                  config_path, "--trainer", ",".join(ranks),
                  *(["--router", router] if router else ["--servers", ",".join(servers)]),
                  "--host", "{host}", "--port", "{port}"],
@@ -147,14 +147,6 @@ def trainer_spec(cfg: ExperimentConfig, config_path: str, *, api_key: str) -> Wo
         env={"ASYNCRL_API_KEY": api_key, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
         cpus=cfg.scheduler.trainer_threads or 1,
         gpus=1 if cfg.cluster.n_gpus_per_node else 0, torch_distributed=True)
-
-
-def rank_cores(cores: list[int], world_size: int) -> list[list[int]]:
-    """The trainer's cores in `world_size` contiguous parts (one core each when too few)."""
-    if len(cores) < world_size:
-        return [[cores[r % len(cores)]] for r in range(world_size)]
-    per = len(cores) // world_size
-    return [cores[r * per:(r + 1) * per] for r in range(world_size)]
 
 
 def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Services:

@@ -15,20 +15,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.agents.service import AgentClient, AgentServiceError
 from asyncrl.api import Batch, Trainer, Trajectory, faults
 from asyncrl.config import ExperimentConfig, to_yaml
-from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
-from asyncrl.inference.client.backends import client_class
-from asyncrl.inference.client.base import WeightUpdateError
-from asyncrl.models.hub import resolve_model_path
-from asyncrl.observe import ProgressBar, StatsLogger, StepTimer, plot_reward_curve, write_samples
-from asyncrl.observe.timeline import Timeline, plot_timeline
+from asyncrl.controller import recover
+from asyncrl.controller.agents import AgentRuntime
+from asyncrl.controller.launch import launch
 from asyncrl.controller.rollout import (
     RolloutController,
     RolloutError,
     evaluate,
     make_episode_filter,
 )
+from asyncrl.controller.weight_update import WeightUpdateClient
+from asyncrl.controller.workflows import RLVRWorkflow
+from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
+from asyncrl.inference.client.backends import client_class
+from asyncrl.inference.client.base import WeightUpdateError
+from asyncrl.inference.router import RouterClient, fetch_state
+from asyncrl.launch import make_scheduler
 from asyncrl.launch.base import (
     Scheduler,
     SchedulerError,
@@ -36,20 +41,21 @@ from asyncrl.launch.base import (
     cause_line,
     log_size,
     log_tail,
-    make_scheduler,
 )
-from asyncrl.agents.service import AgentClient, AgentServiceError
-from asyncrl.inference.router import RouterClient, fetch_state
-from asyncrl.trainer.service import TrainingServiceError
-from asyncrl.weights.service import WeightUpdateClient
-from asyncrl.controller import recover
-from asyncrl.controller.agents import AgentRuntime
-from asyncrl.controller.launch import launch
+from asyncrl.models.hub import resolve_model_path
+from asyncrl.observe import (
+    ProgressBar,
+    StatsLogger,
+    StepTimer,
+    plot_reward_curve,
+    write_samples,
+)
 from asyncrl.observe.paths import RunPaths, setup_logging
 from asyncrl.observe.periodic import Periodic
+from asyncrl.observe.timeline import Timeline, plot_timeline
+from asyncrl.trainer.service import TrainingServiceError
 from asyncrl.trainer.worker import RLWorker
 from asyncrl.weights import WeightPublisher, make_publisher, transfer_backend
-from asyncrl.controller.workflows import RLVRWorkflow
 
 logger = logging.getLogger(__name__)
 # Seconds between health checks of the servers while the trainer waits for a batch.

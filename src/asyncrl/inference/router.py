@@ -40,10 +40,15 @@ import aiohttp
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
+from asyncrl.api.http import bearer_auth, serve_app
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.inference.client import base
-from asyncrl.inference.client.base import GROUP_NAME, InferenceServerError, normalise_address
-from asyncrl.api.http import bearer_auth
+from asyncrl.inference.client.backends import client_class
+from asyncrl.inference.client.base import (
+    GROUP_NAME,
+    InferenceServerError,
+    normalise_address,
+)
 
 logger = logging.getLogger(__name__)
 _ERRORS: dict[str, type[Exception]] = {
@@ -183,9 +188,6 @@ class RouterService:
 async def serve(backend: str, servers: list[str], *, host: str, port: int,
                 api_key: str | None, request_timeout: float, request_retries: int,
                 update_weights_timeout: float, health_check_interval: float | None) -> None:
-    from asyncrl.inference.client.backends import client_class
-    from asyncrl.api.http import serve_app
-
     engine = client_class(backend)(
         servers, request_timeout=request_timeout, request_retries=request_retries,
         update_weights_timeout=update_weights_timeout,
@@ -230,8 +232,6 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
 def inference_engine(args: argparse.Namespace, backend: str, **kwargs: Any) -> Any:
     """The run's router's client (`args.router`), else `backend`'s client of `args.servers`;
     the servers' key is $ASYNCRL_API_KEY (a service guarded by its own key passes `api_key`)."""
-    from asyncrl.inference.client.backends import client_class
-
     key = kwargs.pop("api_key", os.environ.get("ASYNCRL_API_KEY") or None)
     if args.router:
         kwargs.pop("request_retries", None)

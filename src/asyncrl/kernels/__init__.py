@@ -27,13 +27,13 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from asyncrl.models.hub import cache_dir
+
 logger = logging.getLogger(__name__)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 
 
 def _build(name: str) -> Path:
-    from asyncrl.models.hub import cache_dir
-
     folder = resources.files(__package__)
     source = (folder / f"{name}.c").read_bytes()
     headers = {f.name: f.read_bytes() for f in folder.iterdir() if f.name.endswith(".h")}

@@ -140,36 +140,6 @@ class Scheduler(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-def make_scheduler(scheduler_cfg: Any, cluster_cfg: Any, run_dir: Path, *,
-                   ray_cfg: Any = None, slurm_cfg: Any = None, **kw: Any) -> Scheduler:
-    """The scheduler `scheduler_cfg.type` names (local | ray | slurm) for the run in `run_dir`.
-
-    `ray_cfg` (the `ray` section: address; None starts Ray here) and `slurm_cfg` (the
-    `slurm` section: partition, account, time, extra_sbatch_args) configure those two;
-    `kw` goes to the scheduler's constructor.
-    """
-    kind = scheduler_cfg.type
-    if kind == "local":
-        from asyncrl.launch.local import LocalScheduler
-
-        return LocalScheduler(scheduler_cfg, run_dir, **kw)
-    nodes = {"n_nodes": cluster_cfg.n_nodes, "n_gpus_per_node": cluster_cfg.n_gpus_per_node}
-    if kind == "ray":
-        from asyncrl.launch.ray import RayScheduler
-
-        kw.setdefault("address", getattr(ray_cfg, "address", None))
-        return RayScheduler(scheduler_cfg, run_dir, **nodes, **kw)
-    if kind == "slurm":
-        from asyncrl.launch.slurm import SlurmScheduler
-
-        if slurm_cfg is not None:
-            kw = {"partition": slurm_cfg.partition, "account": slurm_cfg.account,
-                  "time_limit": slurm_cfg.time, "sbatch_args": slurm_cfg.extra_sbatch_args,
-                  **kw}
-        return SlurmScheduler(scheduler_cfg, run_dir, **nodes, **kw)
-    raise ValueError(f"scheduler.type={kind!r} is not one of 'local', 'ray', 'slurm'")
-
-
 def fill(text: str, values: dict[str, str]) -> str:
     """Replace "{name}" for each name in `values` (other braces are left alone)."""
     for name, value in values.items():

@@ -8,7 +8,13 @@ import socket
 import subprocess
 from pathlib import Path
 
-from asyncrl.launch.base import SchedulerError, Worker, health_ok, log_tail, read_registry
+from asyncrl.launch.base import (
+    SchedulerError,
+    Worker,
+    health_ok,
+    log_tail,
+    read_registry,
+)
 
 
 def status(worker: Worker) -> str:

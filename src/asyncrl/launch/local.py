@@ -47,6 +47,14 @@ logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 
 
+def rank_cores(cores: list[int], world_size: int) -> list[list[int]]:
+    """The trainer's cores in `world_size` contiguous parts (one core each when too few)."""
+    if len(cores) < world_size:
+        return [[cores[r % len(cores)]] for r in range(world_size)]
+    per = len(cores) // world_size
+    return [cores[r * per:(r + 1) * per] for r in range(world_size)]
+
+
 def split_cores(cores: list[int], inference_threads: int | None, trainer_threads: int | None,
                 n_servers: int) -> tuple[list[list[int]], list[int]]:
     """Cores for each server and for the trainer; None splits the machine evenly."""

@@ -20,7 +20,11 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl.config.schema import SchedulerConfig

@@ -16,6 +16,7 @@ in this process as before.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import logging
@@ -26,16 +27,47 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import to_yaml
-from asyncrl.config.offline import OfflineConfig
+from asyncrl.config import load_config, to_yaml
+from asyncrl.config.offline import TRAINER_SCHEMAS, OfflineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.launch.base import Scheduler, SchedulerError, WorkerSpec, log_tail, make_scheduler
-from asyncrl.controller.launch import rank_cores
+from asyncrl.launch import make_scheduler
+from asyncrl.launch.base import Scheduler, SchedulerError, WorkerSpec, log_tail
+from asyncrl.launch.local import rank_cores
 from asyncrl.observe.paths import RunPaths, setup_logging
 
 logger = logging.getLogger(__name__)
 ROLE = "trainer"
 REPORTS_ENV = "ASYNCRL_RANK_REPORTS"  # the folder where a launched rank writes its report
+
+
+def main(command: str, argv: list[str]) -> int:
+    """`python -m asyncrl.offline.<command> --config FILE key=value ...`: as `asyncrl <command>`."""
+    p = argparse.ArgumentParser(prog=f"python -m asyncrl.offline.{command}")
+    p.add_argument("--config", default=None, help="YAML config file (else defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=x")
+    args = p.parse_args(argv)
+    return run_command(command, args.config, args.overrides)
+
+
+def run_command(command: str, config: str | None, overrides: list[str]) -> int:
+    """Load `config` with `overrides` as `command`'s schema, train, print the summary."""
+    cfg = load_config(config, overrides, schema=TRAINER_SCHEMAS[command])
+    print_offline_summary(run(command, cfg))
+    return 0
+
+
+def print_offline_summary(summary: dict) -> None:
+    """Held-out figures before -> after training, and where the run and model are."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    print("\n== asyncrl run finished ==")
+    print(f"run directory : {summary['run_dir']}")
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key), after.get(key)
+        text = " -> ".join(f"{v:.4f}" for v in (b, a) if v is not None)
+        print(f"held-out {key:16s}: {text}" + (f"  ({a - b:+.4f})" if None not in (a, b) else ""))
+    for key in ("stats", "model_dir"):
+        if key in summary:
+            print(f"{key:14s}: {summary[key]}")
 
 
 def run(command: str, cfg: OfflineConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 from asyncrl.algorithms.rm import make_bradley_terry_loss_fn
 from asyncrl.config.offline import RMConfig
 from asyncrl.data.offline import last_token_row, load_preference_examples
+from asyncrl.offline import launch
 from asyncrl.offline.loop import OfflineTrainer
 from asyncrl.trainer.reward import FSDPRewardEngine
 
@@ -36,9 +37,7 @@ def train(cfg: RMConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m asyncrl.offline.rm --config rm.yaml key=value ...`: as `asyncrl rm`."""
-    from asyncrl.cli import main as cli_main
-
-    return cli_main(["rm", *(sys.argv[1:] if argv is None else argv)])
+    return launch.main("rm", sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,6 @@
 
 routes.py (the /v1 routes), protocol.py (request shapes, chat templates), tool_calls.py,
 detokenize.py; responses.py and anthropic.py translate onto chat (shapes_base.py);
-drift.py checks that a chat template extends each turn token for token. gateway.py is a
-process: an OpenAI-compatible front of any backend (`python -m asyncrl.openai.gateway`).
+drift.py checks that a chat template extends each turn token for token. The gateway, an
+OpenAI-compatible front of any backend, is `asyncrl.inference.gateway`.
 """

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import json
 import time
 import uuid
@@ -40,8 +39,15 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from asyncrl.api import openapi
 from asyncrl.api.errors import InferenceError
-from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason, mix_seed
+from asyncrl.api.http import PUBLIC_PATHS, key_matches
+from asyncrl.api.types import (
+    GenerationRequest,
+    GenerationResponse,
+    StopReason,
+    mix_seed,
+)
 from asyncrl.openai.detokenize import (
     IncrementalDetokenizer,
     detokenize,
@@ -88,9 +94,6 @@ def _answers_errors(method: Method) -> Method:
     return wrapped
 
 
-PUBLIC_PATHS = ("/health", "/openapi.json")  # answered without the API key
-
-
 def openai_auth(api_key: str | None):
     """Middleware: 401 in OpenAI's shape unless `Authorization: Bearer <api_key>`."""
     @web.middleware
@@ -99,12 +102,6 @@ def openai_auth(api_key: str | None):
             return unauthorized()
         return await handler(request)
     return auth
-
-
-def key_matches(request: web.Request, api_key: str) -> bool:
-    """Constant-time check of the request's bearer token."""
-    given = request.headers.get("Authorization", "")
-    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
 
 
 def unauthorized() -> web.Response:
@@ -422,8 +419,6 @@ def openai_app(engine: Any, tokenizer: Any, model_name: str, *, api_key: str | N
                max_model_len: int | None = None,
                tool_parser: str | None = None) -> web.Application:
     """A stand-alone app serving the /v1 routes (the gateway's, and tests')."""
-    from asyncrl.api import openapi
-
     app = web.Application(middlewares=[openai_auth(api_key)])
     OpenAIRoutes(engine, tokenizer, model_name, max_model_len=max_model_len,
                  tool_parser=tool_parser).add_to(app)

@@ -46,16 +46,21 @@ from asyncrl.trainer import checkpoint
 from asyncrl.trainer.cpu import grad_ops, heap, precision
 from asyncrl.trainer.cpu.attention import NAME as TRIE_ATTENTION
 from asyncrl.trainer.cpu.attention import use_trie_attention
-from asyncrl.trainer.dist import init_process_group, local_device
 from asyncrl.trainer.cpu.linear import use_contiguous_weight_grads
 from asyncrl.trainer.cpu.logprob_head import token_logprobs
-from asyncrl.trainer.microbatch import plan_micro_batches, to_device
 from asyncrl.trainer.cpu.mlp import use_fused_mlps
 from asyncrl.trainer.cpu.norm import use_fused_norms
-from asyncrl.trainer.cpu.optim import CopyingAdamW, init_state, make_lr_scheduler, make_optimizer
+from asyncrl.trainer.cpu.optim import (
+    CopyingAdamW,
+    init_state,
+    make_lr_scheduler,
+    make_optimizer,
+)
 from asyncrl.trainer.cpu.precision import ComputeWeights
-from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
 from asyncrl.trainer.cpu.rope import use_fused_rope
+from asyncrl.trainer.dist import init_process_group, local_device
+from asyncrl.trainer.microbatch import plan_micro_batches, to_device
+from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
 # FSDP2 also on one rank (tests compare the two paths; on one rank it only adds copies).

@@ -61,9 +61,15 @@ from aiohttp import web
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from asyncrl.api import openapi
+from asyncrl.api.http import PUBLIC_PATHS, key_matches, serve_app
 from asyncrl.api.types import TensorBatch
-from asyncrl.api.http import serve_app
-from asyncrl.openai.routes import PUBLIC_PATHS, key_matches
+from asyncrl.config import load_config
+from asyncrl.observe.paths import fileroot
+from asyncrl.trainer.worker import RLWorker
+from asyncrl.weights.broadcast import BroadcastError, WeightSender, free_port
+from asyncrl.weights.ipc import IpcUnavailable
+from asyncrl.weights.transport import BucketLayout
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +211,6 @@ class TrainingService:
         return web.json_response({"status": "ok", "initialized": self.initialized})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        from asyncrl.api import openapi
-
         return web.json_response(openapi.training_service(api_key=bool(self.api_key)))
 
     async def info(self, request: web.Request) -> web.Response:
@@ -253,8 +257,6 @@ class TrainingService:
         return web.json_response({"ok": True})
 
     async def weights_connect(self, request: web.Request) -> web.Response:
-        from asyncrl.weights.broadcast import WeightSender
-
         self._require_initialized()
         body = await _json(request)
         if self.sender is None or self.sender.backend != body.get("backend", "gloo"):
@@ -279,8 +281,6 @@ class TrainingService:
         return web.json_response(await self._run(self.sender.broadcast))
 
     async def weights_free_port(self, request: web.Request) -> web.Response:
-        from asyncrl.weights.broadcast import free_port
-
         return web.json_response({"port": free_port(_str(await _json(request), "host"))})
 
     async def weights_close(self, request: web.Request) -> web.Response:
@@ -290,7 +290,6 @@ class TrainingService:
 
     async def weights_ipc(self, request: web.Request) -> web.Response:
         self._require_initialized()
-        from asyncrl.weights.ipc import IpcUnavailable
 
         dtype = _str(await _json(request), "dtype")
         _dtype(dtype)  # one of ours, else 400
@@ -481,8 +480,6 @@ class RemoteWeightSender:
 
     def open_group(self, master_address: str, master_port: int, world_size: int,
                    timeout: float, group_name: str) -> _RemoteGroup:
-        from asyncrl.weights.broadcast import BroadcastError
-
         try:
             self.client._json_all("/weights/connect", {
                 "master_address": master_address, "master_port": master_port,
@@ -504,9 +501,6 @@ class RemoteWeightSender:
     def send(self, actor: Any, *, bucket_bytes: int, on_layout=None) -> dict[str, float]:
         """Every rank gathers (the ranks hold the actor: `actor` is unused); rank 0's layout
         goes to `on_layout` (the servers start receiving), then rank 0 broadcasts."""
-        from asyncrl.weights.broadcast import BroadcastError
-        from asyncrl.weights.transport import BucketLayout
-
         t0 = time.monotonic()
         try:
             layout = self.client._json_all("/weights/gather", {"bucket_bytes": bucket_bytes})
@@ -557,16 +551,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI entry point; RANK/WORLD_SIZE/MASTER_* from the scheduler, the key from $ASYNCRL_API_KEY."""
-    from asyncrl.config import load_config
-    from asyncrl.trainer.worker import RLWorker
-
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
-    from asyncrl.observe.paths import fileroot
 
     service = TrainingService(RLWorker(cfg), api_key=os.environ.get("ASYNCRL_API_KEY") or None,
                               root=fileroot(cfg))

@@ -28,10 +28,17 @@ from asyncrl.api.types import TensorBatch
 from asyncrl.config import ExperimentConfig
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
+from asyncrl.trainer.critic import Critic
 from asyncrl.trainer.dist import local_device
 from asyncrl.trainer.engine import FSDPTrainEngine
-from asyncrl.trainer.frozen import check_teacher_vocab, make_ref_engine, make_teacher_engine
+from asyncrl.trainer.frozen import (
+    check_teacher_vocab,
+    make_ref_engine,
+    make_teacher_engine,
+)
 from asyncrl.trainer.updates import train_epochs
+from asyncrl.weights.broadcast import WeightSender
+from asyncrl.weights.ipc import IpcExporter, IpcUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +65,6 @@ class RLWorker:
         A collective on a data-parallel world: every rank calls it. Returns rank and world.
         """
         from transformers import AutoTokenizer
-
-        from asyncrl.trainer.critic import Critic
 
         cfg = self.cfg
         if cfg.colocated and cfg.cluster.device == "cuda":
@@ -128,8 +133,6 @@ class RLWorker:
         """The actor's weights in `dtype` in one GPU buffer shared by CUDA IPC: the body of a
         server's IPC update (weights/ipc.py). The buffer is rewritten by the next call, so
         every server must have copied it by then (the publish waits for them)."""
-        from asyncrl.weights.ipc import IpcExporter, IpcUnavailable
-
         actor = self._require_actor()
         if actor.device.type != "cuda":
             raise IpcUnavailable(f"this trainer rank runs on {actor.device}: CUDA IPC shares "
@@ -140,8 +143,6 @@ class RLWorker:
 
     def weight_sender(self, backend: str, dtype: str) -> tuple[Any, str]:
         """The broadcast's trainer side in this process (rank 0), and its host."""
-        from asyncrl.weights.broadcast import WeightSender
-
         return WeightSender(0, backend=backend, dtype=getattr(torch, dtype)), "127.0.0.1"
 
     def save_state(self, path: str) -> None:

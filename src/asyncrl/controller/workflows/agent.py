@@ -19,7 +19,9 @@ from typing import Any, Protocol
 
 from asyncrl.agents.capture import ExportStyle, export
 from asyncrl.agents.runner import AgentError, AgentFn
+from asyncrl.agents.sandbox import isolation_seen
 from asyncrl.agents.session import Session, SessionStatus
+from asyncrl.agents.tools import ToolCache, group_cache
 from asyncrl.api.protocols import InferenceEngine
 from asyncrl.api.types import Trajectory
 from asyncrl.controller.workflows.rlvr import gather_or_cancel
@@ -88,8 +90,6 @@ class AgentWorkflow:
         """All samples' trajectories, in sample order (a sample may give several); None when
         the proxy ended a session (version lag, idle timeout): the episode is rejected, not
         failed, and its slot goes to a fresh one."""
-        from asyncrl.agents.tools import ToolCache, group_cache
-
         group_id = f"{item['id']}@{uuid.uuid4().hex[:12]}"
         token = group_cache.set(ToolCache())  # identical deterministic tool calls run once
         try:
@@ -103,8 +103,6 @@ class AgentWorkflow:
         return [t for g in groups for t in g]
 
     async def _sample(self, item: dict[str, Any], group_id: str, index: int) -> list[Trajectory]:
-        from asyncrl.agents.sandbox import isolation_seen
-
         host = self.sessions
         sid, key = await host.open(task_id=str(item["id"]), sampling=self.spec.sampling)
         sandboxed: set[str] = set()

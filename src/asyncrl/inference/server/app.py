@@ -35,16 +35,16 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from asyncrl.api import openapi
 from asyncrl.api.cores import CoreShare
+from asyncrl.api.http import PUBLIC_PATHS, key_matches, serve_app
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.server.cpu_decode import huge_empty
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.inference.server.local_backend import LocalBackend
 from asyncrl.inference.server.model import CheckpointError, check_tensors, hf_shapes
-from asyncrl.api import openapi
-from asyncrl.api.http import serve_app
-from asyncrl.openai.routes import PUBLIC_PATHS, OpenAIRoutes, key_matches, unauthorized
+from asyncrl.openai.routes import OpenAIRoutes, unauthorized
 from asyncrl.weights import ipc, transport
 
 logger = logging.getLogger(__name__)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl import kernels
+
 
 class DecodeKernels:
     """ctypes bindings of kernels/decode.c: a whole bf16 CPU decode step, and its parts."""
@@ -64,8 +66,6 @@ class DecodeKernels:
 
 @functools.cache
 def _decode_kernels() -> DecodeKernels | None:
-    from asyncrl import kernels
-
     lib = kernels.load("decode")
     return DecodeKernels(lib) if lib is not None else None
 

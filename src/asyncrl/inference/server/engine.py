@@ -51,6 +51,7 @@ from asyncrl.inference.server.model import (
     mapped_checkpoint,
 )
 from asyncrl.inference.server.sampling import SamplingBatch, StopChecker, sample
+from asyncrl.models.hub import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ class LocalEngine:
         the cache's bytes given directly (any device). Either may leave fewer slots than
         `config.max_batch_size` (then `config.max_batch_size` is that number)."""
         from transformers import AutoTokenizer
-
-        from asyncrl.models.hub import resolve_model_path
 
         self.config = config or LocalEngineConfig()
         self.model_path = resolve_model_path(model_path)

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncrl import kernels
+
 NAME = "asyncrl_trie"
 # The matmul path where it applies (tests and benchmarks switch it off to run SDPA's flash).
 USE_KERNELS = True
@@ -46,8 +48,6 @@ MATMUL_ATTENTION_BYTES = 32 << 20
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     return kernels.bind("masked_softmax", {
         "masked_softmax_fwd_bf16": [p, p, i32, i32, i32, f32, p, i32],

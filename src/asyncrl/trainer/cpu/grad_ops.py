@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from asyncrl import kernels
+
 # The C kernels where they apply (tests switch them off to run the torch path).
 USE_KERNELS = True
 WIDEN_CHUNK = 1 << 16  # elements of the torch fallback's widened chunk: 256 KiB of fp32
@@ -18,8 +20,6 @@ TRANSPOSED_ROWS = 8192  # rows of x^T per chunk in `t_matmul` (the head's: 8192 
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib = kernels.bind("grad_ops", {"transpose_bf16": [p, i32, i32, i64, p, i32],
                                     "add_bf16_to_f32": [p, p, i64, i32],

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from asyncrl import kernels
 from asyncrl.trainer.cpu import precision
 from asyncrl.trainer.cpu.grad_ops import t_matmul
 
@@ -131,8 +132,6 @@ USE_KERNELS = True
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     return kernels.bind("logprob_head", {"head_rows_bf16": [p, i32, i32, p, f32, p, p, i32, i32],
                                          "scale_rows_bf16": [p, i32, i32, p, i32]})

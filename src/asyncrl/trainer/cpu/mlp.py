@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncrl import kernels
+
 # The C kernel where it applies (tests and benchmarks switch it off to run HF's forward).
 USE_KERNELS = True
 # The HF MLP classes whose forward is exactly down(act(gate(x)) * up(x)), and the
@@ -28,8 +30,6 @@ SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     return kernels.bind("swiglu", {"swiglu_fwd_bf16": [p, p, p, i64, i32],
                                    "swiglu_bwd_bf16": [p, p, p, p, p, i64, i32]})

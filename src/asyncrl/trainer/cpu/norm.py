@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncrl import kernels
+
 # The C kernel where it applies (tests and benchmarks switch it off to run HF's forward).
 USE_KERNELS = True
 # The HF norm classes whose forward is exactly Llama's (weight * normed, no offset).
@@ -27,8 +29,6 @@ FUSED_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     return kernels.bind("rms_norm", {"rms_norm_fwd_bf16": [p, p, i32, i32, f32, p, p, i32],
                                      "rms_norm_bwd_bf16": [p, p, p, p, i32, i32, p, p, i32]})

@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from asyncrl import kernels
 from asyncrl.api import cores
 from asyncrl.config.schema import OptimizerConfig
 
@@ -27,8 +28,6 @@ WRITE_COPIES_IN_STEP = True
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     return kernels.bind("adamw", {"adamw_f32": [p, p, p, p, p, i64, *[f32] * 8, i32]})
 

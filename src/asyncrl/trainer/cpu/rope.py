@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncrl import kernels
+
 # The C kernel where it applies (tests and benchmarks switch it off to run HF's function).
 USE_KERNELS = True
 # HF modeling modules whose `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)` is the
@@ -30,8 +32,6 @@ FUSED_MODULES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
 @functools.cache
 def _kernels() -> ctypes.CDLL | None:
-    from asyncrl import kernels
-
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     args = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i32]
     return kernels.bind("rope", {"rope_fwd_bf16": args, "rope_bwd_bf16": args})

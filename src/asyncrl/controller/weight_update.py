@@ -1,6 +1,6 @@
 """The weight-update service: carries each version from the trainer ranks to the servers.
 
-    python -m asyncrl.weights.service --config RUN/config.yaml \
+    python -m asyncrl.controller.weight_update --config RUN/config.yaml \
         --trainer URL[,URL...] (--router URL | --servers URL[,URL...]) --host H --port 0
     # ASYNCRL_API_KEY guards it; ASYNCRL_TRAINER_KEY / ASYNCRL_INFERENCE_KEY reach the others
 
@@ -33,8 +33,12 @@ from typing import Any
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
-from asyncrl.config import ExperimentConfig
-from asyncrl.api.http import bearer_auth
+from asyncrl.api.http import bearer_auth, serve_app
+from asyncrl.config import ExperimentConfig, load_config
+from asyncrl.inference.router import add_inference_args, inference_engine
+from asyncrl.observe.paths import RunPaths
+from asyncrl.trainer.service import TrainingClient
+from asyncrl.weights import make_publisher, transfer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +94,6 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def serve(cfg: ExperimentConfig, args: argparse.Namespace) -> None:
-    from asyncrl.api.http import serve_app
-    from asyncrl.inference.router import inference_engine
-    from asyncrl.trainer.service import TrainingClient
-    from asyncrl.observe.paths import RunPaths
-    from asyncrl.weights import make_publisher, transfer_backend
-
     r, loop = cfg.rollout, asyncio.get_running_loop()
     engine = inference_engine(args, r.backend, update_weights_timeout=r.update_weights_timeout,
                               api_key=os.environ.get("ASYNCRL_INFERENCE_KEY") or None)
@@ -122,10 +120,7 @@ async def serve(cfg: ExperimentConfig, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from asyncrl.config import load_config
-    from asyncrl.inference.router import add_inference_args
-
-    p = argparse.ArgumentParser(prog="python -m asyncrl.weights.service",
+    p = argparse.ArgumentParser(prog="python -m asyncrl.controller.weight_update",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's resolved config.yaml")
     p.add_argument("--trainer", required=True, help="the training service's ranks, in order")

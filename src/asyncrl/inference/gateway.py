@@ -1,6 +1,6 @@
 """OpenAI-compatible gateway in front of any inference server we have a client for.
 
-    python -m asyncrl.openai.gateway --backend-url http://127.0.0.1:8000 --port 9000
+    python -m asyncrl.inference.gateway --backend-url http://127.0.0.1:8000 --port 9000
 
 It tokenizes here (chat template, tool prompts), asks the backend for token ids through
 an `InferenceEngine` client, and answers in OpenAI's shapes with our extension fields
@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.api.http import serve_app
+from asyncrl.inference.client.backends import client_class
+from asyncrl.models.hub import resolve_model_path
 from asyncrl.openai.routes import openai_app
 
 BACKENDS = ("local", "vllm", "sglang")
@@ -26,8 +28,6 @@ BACKENDS = ("local", "vllm", "sglang")
 
 def make_engine(backend: str, url: str, api_key: str | None) -> Any:
     """The `InferenceEngine` client of `backend` at `url`."""
-    from asyncrl.inference.client.backends import client_class
-
     return client_class(backend)([url], api_key=api_key)
 
 
@@ -39,8 +39,6 @@ async def backend_model(engine: Any) -> str:
 def load_tokenizer(name_or_path: str) -> Any:
     """An HF tokenizer from a folder, hub id or named model."""
     from transformers import AutoTokenizer
-
-    from asyncrl.models.hub import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
 
@@ -73,8 +71,8 @@ async def serve(backend: str, url: str, *, tokenizer: str | None, model_name: st
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line of `python -m asyncrl.openai.gateway`."""
-    p = argparse.ArgumentParser(prog="python -m asyncrl.openai.gateway",
+    """The command line of `python -m asyncrl.inference.gateway`."""
+    p = argparse.ArgumentParser(prog="python -m asyncrl.inference.gateway",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--backend-url", required=True, help="the inference server, http://HOST:PORT")
     p.add_argument("--backend", default="local", choices=BACKENDS)
