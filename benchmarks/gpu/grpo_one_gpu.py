@@ -41,7 +41,7 @@ from asyncrl.api import Batch, GenerationRequest, Trajectory
 from asyncrl.config import load_config, to_yaml
 from asyncrl.controller.launch import launch
 from asyncrl.controller.rl import RLTrainer
-from asyncrl.launch.base import make_scheduler
+from asyncrl.launch import make_scheduler
 from asyncrl.observe import read_stats
 from asyncrl.observe.paths import RunPaths, setup_logging
 
