@@ -14,7 +14,7 @@ the attention runs as two bf16 matmuls around a masked softmax in C
 matmuls and softmax gradient are written out here: ~2x faster forward and backward together
 (`benchmarks/train_step.py`, "attn" column). Its scores are rounded to bf16 once before the
 softmax, as SDPA's math path does; flash keeps them in float32, so the two differ by bf16
-roundings (tests/unit/test_trie_attention.py states the tolerance). Where one layer's
+roundings (tests/unit/trainer/test_trie_attention.py states the tolerance). Where one layer's
 probabilities would pass `MATMUL_ATTENTION_BYTES` (long rows), flash runs as before.
 
 On that path q, k and v go to the rows, and the output back to the nodes, in C as well

@@ -17,7 +17,7 @@ from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.inference.client.base import InferenceServerError, WeightUpdateError
 from asyncrl.inference.client.sglang import SGLangInferenceEngine
 
-EXCHANGE = Path(__file__).resolve().parents[1] / "fixtures" / "sglang" / "exchange.json"
+EXCHANGE = Path(__file__).resolve().parents[3] / "fixtures" / "sglang" / "exchange.json"
 
 
 class ReplayServer:

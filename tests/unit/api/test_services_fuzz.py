@@ -14,6 +14,7 @@ import asyncio
 
 import pytest
 import requests
+import torch.distributed as dist
 from fuzzing import assert_idle_connections_do_not_starve, fuzz, oversized_status
 from serving import serving
 
@@ -121,6 +122,10 @@ def worker(model, tmp_path):
     worker = RLWorker(cfg)
     yield worker
     worker.destroy()
+    # The test's second /initialize replaces the actor that made the process group, so
+    # destroy() leaves the group behind: remove it for the test modules that follow.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def test_the_training_service_answers_every_request_of_its_description_below_500(

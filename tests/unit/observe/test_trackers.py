@@ -3,7 +3,8 @@
 No test needs network. To prove that no process (wandb-core included) needs one, run this
 file in a network namespace with only the loopback interface:
 
-    unshare --net sh -c 'ip link set lo up; exec .venv/bin/pytest -q tests/unit/test_trackers.py'
+    unshare --net sh -c \
+        'ip link set lo up; exec .venv/bin/pytest -q tests/unit/observe/test_trackers.py'
 """
 
 from __future__ import annotations

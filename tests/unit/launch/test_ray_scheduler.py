@@ -3,7 +3,7 @@
 Ray binds every interface, so these tests run only inside a private network namespace
 where `lo` is the only interface:
     RAY_AUTH_MODE=disabled unshare --net sh -c \
-        'ip link set lo up; exec .venv/bin/pytest -q -m ray tests/unit/test_ray_scheduler.py'
+        'ip link set lo up; exec .venv/bin/pytest -q -m ray tests/unit/launch/test_ray_scheduler.py'
 """
 
 import json

@@ -200,7 +200,7 @@ def test_warm_start_episodes_search_the_subject_and_copy_the_answer(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "examples/agents/search/make_sft_data.py"
+    script = Path(__file__).resolve().parents[3] / "examples/agents/search/make_sft_data.py"
     spec = importlib.util.spec_from_file_location("make_sft_data", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -227,7 +227,7 @@ def test_two_hop_warm_start_episodes_search_twice_then_answer(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "examples/agents/search/make_sft_data.py"
+    script = Path(__file__).resolve().parents[3] / "examples/agents/search/make_sft_data.py"
     spec = importlib.util.spec_from_file_location("make_sft_data", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -65,7 +65,7 @@ def test_dynamic_sampling_settings_that_cannot_work_name_the_key(overrides, mess
 def test_the_documented_dapo_settings_load(tmp_path):
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "algorithms.md").read_text()
     section = doc[doc.index("DAPO as settings"):]
     start = section.index("```yaml") + len("```yaml")
     block = section[start:section.index("```", start)]

@@ -7,7 +7,7 @@ import pytest
 from asyncrl.config import ConfigError, ExperimentConfig, load_config
 from asyncrl.config.offline import TRAINER_SCHEMAS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 BASE = """
 experiment_name: t

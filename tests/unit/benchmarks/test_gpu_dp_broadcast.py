@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import load_config
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "dp_broadcast.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu" / "dp_broadcast.py"
 spec = importlib.util.spec_from_file_location("dp_broadcast", SCRIPT)
 dp_broadcast = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(dp_broadcast)
