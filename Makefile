@@ -55,8 +55,10 @@ quickstart: $(STAMP)
 # The docs site is built first (into build/site/): with --strict a broken link fails.
 # Ray binds every interface: its tests run in a private network namespace where only the
 # loopback interface exists (root or user namespaces needed; skipped, with a note, if not).
+# lint-imports first: the package layers and no import cycles (pyproject.toml).
 test: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d build/site
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	@if unshare --net true 2>/dev/null; then \
 		RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 unshare --net sh -c \

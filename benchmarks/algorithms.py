@@ -49,7 +49,7 @@ ALGORITHM_STATS = {
 
 
 def run_sft(root: str, gsm8k: str, overrides: list[str]) -> dict[str, Any]:
-    from asyncrl.trainers.sft import train
+    from asyncrl.offline.sft import train
 
     cfg = load_config(REPO / "examples/sft/gsm8k_sft_cpu.yaml", [
         f"cluster.fileroot={root}", f"train_dataset.path={gsm8k}", f"valid_dataset.path={gsm8k}",
@@ -76,7 +76,7 @@ def arithmetic_pairs(path: Path, *, n: int, seed: int) -> Path:
 
 
 def run_dpo(root: str, overrides: list[str]) -> dict[str, Any]:
-    from asyncrl.trainers.dpo import train
+    from asyncrl.offline.dpo import train
 
     data = Path(root) / "prefs"
     data.mkdir()
@@ -93,7 +93,7 @@ def run_dpo(root: str, overrides: list[str]) -> dict[str, Any]:
 
 
 def run_rl(algo: str, root: str, overrides: list[str]) -> dict[str, Any]:
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     recipe = resources.files("asyncrl.recipes") / "quickstart.yaml"
     with resources.as_file(recipe) as path:

@@ -32,8 +32,8 @@ from importlib import resources
 from pathlib import Path
 
 from asyncrl.config import load_config
+from asyncrl.controller.rl import train
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 
 def run_one(eta: int, fileroot: str, overrides: list[str], skip: int,

@@ -25,9 +25,14 @@ import time
 import torch
 
 from asyncrl.api.types import SamplingParams
-from asyncrl.engine import cpu
-from asyncrl.engine.model import Transformer, Weights, hf_shapes, read_checkpoint
-from asyncrl.engine.sampling import SamplingBatch, sample
+from asyncrl.inference.server import cpu_decode as cpu
+from asyncrl.inference.server.model import (
+    Transformer,
+    Weights,
+    hf_shapes,
+    read_checkpoint,
+)
+from asyncrl.inference.server.sampling import SamplingBatch, sample
 from asyncrl.models.hub import resolve_model_path
 
 

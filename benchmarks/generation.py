@@ -26,10 +26,10 @@ from collections.abc import Callable
 import aiohttp
 import torch
 
-from asyncrl.engine.bench import prompts
+from asyncrl.inference.server.bench import prompts
+from asyncrl.launch.commands import server_command
+from asyncrl.launch.local import free_port
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.scheduler.commands import server_command
-from asyncrl.scheduler.local import free_port
 
 
 class Server:

@@ -23,9 +23,9 @@ import torch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import FSDPTrainEngine
-from asyncrl.training.microbatch import to_device
-from asyncrl.training.prefix import pack_prefixes
+from asyncrl.trainer import FSDPTrainEngine
+from asyncrl.trainer.microbatch import to_device
+from asyncrl.trainer.prefix import pack_prefixes
 
 
 def quickstart_batch(groups: int, samples: int, prompt: int, seed: int = 0) -> TensorBatch:

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 from asyncrl.api.faults import POINTS
-from asyncrl.trainers import recover
+from asyncrl.controller import recover
 
 HERE = Path(__file__).resolve().parent
 

@@ -10,17 +10,17 @@ update per batch, as the quickstart, takes them from the training forward instea
 it), then forward + backward of the policy loss over the micro-batches, gradient clipping
 and the fused AdamW step. For each configuration (threads x shared prefix off/on, and with
 shared prefixes on one rank: the model wrapped by FSDP2 as on several ranks, or plain with
-bf16 copies of its weights, `training/precision.py`, the default; and the trainer's C
+bf16 copies of its weights, `trainer/cpu/precision.py`, the default; and the trainer's C
 kernels off or on: the log-prob head's, RMSNorm's, the MLP's SwiGLU product's, the rotary
 embedding's, the trie attention's moves between nodes and rows and the gradient passes',
-`training/logprob_head.py`, `training/norm.py`, `training/mlp.py`, `training/rope.py`,
-`training/attention.py` and `training/grad_ops.py`; and freed memory kept
-for the next step or handed back as glibc does, `training/heap.py`; and the trie attention
-as bf16 matmuls around a C softmax or as SDPA's flash kernel, `training/attention.py`; and
+`trainer/cpu/logprob_head.py`, `trainer/cpu/norm.py`, `trainer/cpu/mlp.py`, `trainer/cpu/rope.py`,
+`trainer/cpu/attention.py` and `trainer/cpu/grad_ops.py`; and freed memory kept
+for the next step or handed back as glibc does, `trainer/cpu/heap.py`; and the trie attention
+as bf16 matmuls around a C softmax or as SDPA's flash kernel, `trainer/cpu/attention.py`; and
 the tied embedding's gradient added into its fp32 master by the head and the lookup or
-through autograd, `training/precision.py`; and the linear layers' weight gradients from
+through autograd, `trainer/cpu/precision.py`; and the linear layers' weight gradients from
 contiguous operands or autograd's,
-`training/linear.py`) it prints the mean seconds of each phase over --repeats steps, each on
+`trainer/cpu/linear.py`) it prints the mean seconds of each phase over --repeats steps, each on
 a new batch of the same shape as in a run (after three warm-up steps), the trained tokens
 per second (every token of every trajectory, prompt included, per whole step), the model
 FLOP utilisation, and the page faults per step (thousands, "kfault"):
@@ -30,7 +30,7 @@ FLOP utilisation, and the page faults per step (thousands, "kfault"):
 
 where "tokens computed" are the batch's real tokens on the padded path and the trie's
 distinct nodes on the shared-prefix path (a shared prompt counted once; the padding nodes
-that round their count up, `training/prefix.py`, not counted). "step MFU" also
+that round their count up, `trainer/prefix.py`, not counted). "step MFU" also
 counts the recompute forward (2 x params x tokens) over the whole step.
 
 A second table splits forward + backward + optimiser: the matrix products (every mm and bmm
@@ -71,8 +71,9 @@ from shared_prefix import batch_arguments, quickstart_batch
 
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-from asyncrl.training import (
-    FSDPTrainEngine,
+from asyncrl.trainer import FSDPTrainEngine
+from asyncrl.trainer import engine as engine_module
+from asyncrl.trainer.cpu import (
     attention,
     grad_ops,
     heap,
@@ -83,9 +84,8 @@ from asyncrl.training import (
     precision,
     rope,
 )
-from asyncrl.training import engine as engine_module
-from asyncrl.training.microbatch import to_device
-from asyncrl.training.prefix import pack_prefixes
+from asyncrl.trainer.microbatch import to_device
+from asyncrl.trainer.prefix import pack_prefixes
 
 PHASES = ("collate", "recompute", "forward", "backward", "optimizer")
 # Steps run before the measured ones: the process's heap reaches its high-water mark over

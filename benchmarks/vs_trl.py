@@ -168,11 +168,11 @@ def evaluate_model(path: str, cfg: Any, tokenizer_path: str) -> float:
     the base model's tokenizer and chat template whoever saved the weights."""
     from transformers import AutoTokenizer
 
+    from asyncrl.controller.rollout.evaluate import evaluate
+    from asyncrl.controller.workflows.rlvr import RLVRWorkflow
     from asyncrl.data.loading import held_out, load_dataset
-    from asyncrl.engine.engine import LocalEngine
-    from asyncrl.engine.local_backend import LocalBackend
-    from asyncrl.rollout.evaluate import evaluate
-    from asyncrl.workflows.rlvr import RLVRWorkflow
+    from asyncrl.inference.server.engine import LocalEngine
+    from asyncrl.inference.server.local_backend import LocalBackend
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     workflow = RLVRWorkflow.from_config(tokenizer, cfg.gconfig, cfg.workflow).for_eval(

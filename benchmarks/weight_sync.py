@@ -31,17 +31,17 @@ from pathlib import Path
 import torch
 
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.engine.model import Transformer, Weights
-from asyncrl.inference import RemoteInferenceEngine
+from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.training import FSDPTrainEngine
+from asyncrl.trainer import FSDPTrainEngine
 from asyncrl.weights import BroadcastPublisher, WeightPublisher
 
 
 def start_server(model: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     """A local inference server on a free port; its address once it listens."""
     with open(log, "w") as err:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.engine.server", "--model",
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.inference.server.app", "--model",
                                  model, "--port", "0", "--threads", str(threads), "--dtype",
                                  "bfloat16"], stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + 300

@@ -22,9 +22,9 @@ from pathlib import Path
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference.backends import client_class
-from asyncrl.inference.base import WeightUpdateError
-from asyncrl.scheduler import LocalScheduler
+from asyncrl.inference.client.backends import client_class
+from asyncrl.inference.client.base import WeightUpdateError
+from asyncrl.launch import LocalScheduler
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 

@@ -71,8 +71,9 @@ def sync(device: str) -> None:
 
 def load_tokenizer(assets: str | None):
     """SmolLM2's tokenizer from the assets folder, else the tiny byte-level one (no files)."""
-    from asyncrl.models.tiny import make_tiny_tokenizer
     from transformers import AutoTokenizer
+
+    from asyncrl.models.tiny import make_tiny_tokenizer
 
     folder = Path(assets or "", "tokenizer")
     if assets and (folder / "tokenizer.json").is_file():
@@ -235,9 +236,10 @@ def peak_memory(device: str) -> int:
 def train(spec: dict, size: dict, out: dict, held: dict) -> None:
     """Training steps in bf16 through FSDPTrainEngine.train_batch; the engine goes into
     `held` once initialised (publishing needs it even if a step fails)."""
-    from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
-    from asyncrl.training import FSDPTrainEngine
     from train_step import non_embedding_params
+
+    from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
+    from asyncrl.trainer import FSDPTrainEngine
 
     device = spec["device"]
     t0 = time.perf_counter()
@@ -277,7 +279,7 @@ def train(spec: dict, size: dict, out: dict, held: dict) -> None:
 def weight_bytes(cfg) -> int:
     """Bytes of the weights one decode step reads: all but the input embedding's untied
     rows (a tied embedding is read whole as the output projection)."""
-    from asyncrl.engine.model import hf_shapes
+    from asyncrl.inference.server.model import hf_shapes
 
     shapes = hf_shapes(cfg)
     if not cfg.tie_word_embeddings:
@@ -288,7 +290,7 @@ def weight_bytes(cfg) -> int:
 def decode(engine, size: dict, batch: int, warm: bool) -> dict:
     """Generated tokens, seconds and bytes read by the decode steps of `batch` requests."""
     from asyncrl.api.types import GenerationRequest, SamplingParams
-    from asyncrl.engine.bench import prompts
+    from asyncrl.inference.server.bench import prompts
 
     cfg = engine.model.cfg
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
@@ -346,7 +348,7 @@ def publish(trainer, server, spec: dict, size: dict, out: dict) -> None:
 
 def digest_check(trainer, server, out: dict) -> None:
     """Whether the served weights are the trainer's bf16 weights, bit for bit."""
-    from asyncrl.engine.model import Weights
+    from asyncrl.inference.server.model import Weights
 
     model = server.model
     expected = Weights(model.cfg, trainer.hf_state_dict(torch.bfloat16), torch.bfloat16,
@@ -357,7 +359,7 @@ def digest_check(trainer, server, out: dict) -> None:
 def logprob_gap(trainer, server, size: dict, out: dict) -> None:
     """Max and mean |trainer log-prob - server log-prob| of the server's sampled tokens."""
     from asyncrl.api.types import GenerationRequest, SamplingParams
-    from asyncrl.engine.bench import prompts
+    from asyncrl.inference.server.bench import prompts
 
     sampling = SamplingParams(max_new_tokens=size["gap_tokens"], temperature=1.0,
                               ignore_eos=True, seed=1)
@@ -381,7 +383,7 @@ def logprob_gap(trainer, server, size: dict, out: dict) -> None:
 def shape(spec: dict, result: dict, save: Callable[[], None]) -> None:
     """Training steps, decode at each batch size and publishing, for one model."""
     from asyncrl.config.schema import LocalEngineConfig
-    from asyncrl.engine.engine import LocalEngine
+    from asyncrl.inference.server.engine import LocalEngine
 
     size = SIZES["tiny" if spec["tiny"] else "full"]
     held: dict = {}

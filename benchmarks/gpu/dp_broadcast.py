@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from asyncrl.config import load_config
+    from asyncrl.controller.rl import train
     from asyncrl.observe import read_stats
-    from asyncrl.trainers.rl import train
 
     cfg = load_config(None, run_overrides(args, tempfile.mkdtemp(prefix="asyncrl-gpu-")))
     summary = train(cfg)

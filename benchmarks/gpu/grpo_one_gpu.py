@@ -4,7 +4,7 @@
     python benchmarks/gpu/grpo_one_gpu.py --device cpu --model /path/to/tiny --steps 2
 
 `run(device, model_dir, out_dir, steps, sync)` runs `steps` steps of the real RL loop
-(trainers/rl.py) with `allocation_mode=local:d1|fsdp:d1`: on "cuda" one GPU holds the
+(controller/rl.py) with `allocation_mode=local:d1|fsdp:d1`: on "cuda" one GPU holds the
 inline trainer and the server (each with its share of memory, rollout.gpu_memory_fraction),
 weights moved by CUDA IPC (`sync="ipc"`) or through versioned folders (`"disk"`); on "cpu"
 both share the cores, and only "disk" exists (a CPU has no CUDA IPC: a config error).
@@ -39,11 +39,11 @@ import torch
 
 from asyncrl.api import Batch, GenerationRequest, Trajectory
 from asyncrl.config import load_config, to_yaml
+from asyncrl.controller.launch import launch
+from asyncrl.controller.rl import RLTrainer
+from asyncrl.launch import make_scheduler
 from asyncrl.observe import read_stats
-from asyncrl.scheduler.base import make_scheduler
-from asyncrl.trainers.launch import launch
-from asyncrl.trainers.paths import RunPaths, setup_logging
-from asyncrl.trainers.rl import RLTrainer
+from asyncrl.observe.paths import RunPaths, setup_logging
 
 HERE = Path(__file__).resolve().parent
 

@@ -18,7 +18,7 @@ import sys
 
 from asyncrl.cli import print_summary
 from asyncrl.config import load_config
-from asyncrl.trainers.rl import train
+from asyncrl.controller.rl import train
 
 
 def main() -> int:

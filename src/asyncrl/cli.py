@@ -1,4 +1,8 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`."""
+"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`.
+
+Each command imports what it runs inside its function: torch and the trainer load only for
+the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pathlib import Path
 
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     cfg = load_config(args.config, args.overrides)
     summary = train(cfg)
@@ -25,33 +29,14 @@ def _offline(args: argparse.Namespace) -> int:
 
     With allocation_mode fsdp:d<N>, N > 1, outside torchrun: starts and waits for N ranks.
     """
-    from asyncrl.config import load_config
-    from asyncrl.config.offline import TRAINER_SCHEMAS
-    from asyncrl.trainers import offline_launch
+    from asyncrl.offline import launch as offline_launch
 
-    cfg = load_config(args.config, args.overrides, schema=TRAINER_SCHEMAS[args.command])
-    summary = offline_launch.run(args.command, cfg)
-    print_offline_summary(summary)
-    return 0
-
-
-def print_offline_summary(summary: dict) -> None:
-    """Held-out figures before -> after training, and where the run and model are."""
-    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    print("\n== asyncrl run finished ==")
-    print(f"run directory : {summary['run_dir']}")
-    for key in sorted(set(before) | set(after)):
-        b, a = before.get(key), after.get(key)
-        text = " -> ".join(f"{v:.4f}" for v in (b, a) if v is not None)
-        print(f"held-out {key:16s}: {text}" + (f"  ({a - b:+.4f})" if None not in (a, b) else ""))
-    for key in ("stats", "model_dir"):
-        if key in summary:
-            print(f"{key:14s}: {summary[key]}")
+    return offline_launch.run_command(args.command, args.config, args.overrides)
 
 
 def _quickstart(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     recipe = resources.files("asyncrl.recipes") / "quickstart.yaml"
     with resources.as_file(recipe) as path:
@@ -80,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.admin_key or args.export_dir:
         return _serve_backend(args)  # the agent proxy in front of a private server
     if args.backend == "local":
-        from asyncrl.engine.server import main as server_main
+        from asyncrl.inference.server.app import main as server_main
 
         argv = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                 "--dtype", args.dtype, "--device", args.device]
@@ -104,9 +89,9 @@ def _serve_backend(args: argparse.Namespace) -> int:
     import tempfile
 
     from asyncrl.config.schema import LocalEngineConfig, SchedulerConfig
+    from asyncrl.inference import gateway
+    from asyncrl.launch.local import LocalScheduler
     from asyncrl.models.hub import resolve_model_path
-    from asyncrl.scheduler.local import LocalScheduler
-    from asyncrl.services import gateway
 
     if args.export_dir and not args.admin_key:
         raise SystemExit("asyncrl serve: --export-dir records agent sessions, which need "
@@ -132,7 +117,7 @@ def _serve_backend(args: argparse.Namespace) -> int:
                                                    backend=args.backend, device=device)
         print(f"asyncrl: {args.backend} server ready at {url} (private)", flush=True)
         if args.admin_key:
-            from asyncrl.services import agent_proxy
+            from asyncrl.agents import proxy as agent_proxy
 
             serving = agent_proxy.serve(
                 args.backend, url, tokenizer=path, model_name=args.model, host=args.host,
@@ -169,7 +154,7 @@ async def _while_alive(scheduler, serving, interval: float = 1.0) -> None:
 
 def _ps(args: argparse.Namespace) -> int:
     """The run's services: role, address, pid, node, state, log."""
-    from asyncrl.scheduler.control import ps
+    from asyncrl.launch.control import ps
 
     print("\n".join(ps(args.run)))
     return 0
@@ -177,7 +162,7 @@ def _ps(args: argparse.Namespace) -> int:
 
 def _logs(args: argparse.Namespace) -> int:
     """The end of a role's logs (one worker's with INDEX)."""
-    from asyncrl.scheduler.control import logs
+    from asyncrl.launch.control import logs
 
     lines = logs(args.run, args.role, args.index, args.n)
     if not lines:
@@ -189,7 +174,7 @@ def _logs(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     """Stop the run's services (local pids, Ray workers on this machine, Slurm jobs)."""
-    from asyncrl.scheduler.control import stop
+    from asyncrl.launch.control import stop
 
     print("\n".join(stop(args.run)))
     return 0
@@ -253,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from asyncrl.config import ConfigError
-    from asyncrl.scheduler.local import SchedulerError
+    from asyncrl.launch.local import SchedulerError
 
     # SIGTERM unwinds like Ctrl-C, so the scheduler stops every server on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -14,7 +14,7 @@ def server_pids(model_path: str) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
         except OSError:
             continue
-        if state != "Z" and b"asyncrl.engine.server" in cmd and model_path.encode() in cmd:
+        if state != "Z" and b"asyncrl.inference.server.app" in cmd and model_path.encode() in cmd:
             pids.append(int(proc.name))
     return pids
 
@@ -68,7 +68,7 @@ def train_killing(cfg, run: Path, role: str, index: int = 0) -> dict:
     """`train(cfg)` while worker `index` of `role` is SIGKILLed once step 1 is logged."""
     import threading
 
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     stop = threading.Event()
     killer = threading.Thread(target=kill_after_step, args=(run, stop, role, index))

@@ -8,10 +8,10 @@ import pytest
 from procs import server_pids
 
 from asyncrl.config import load_config
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 from asyncrl.observe.timeline import read_timeline
-from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ def test_servers_load_while_the_trainer_trains_the_next_step(tmp_path, tiny_mode
     import asyncio
     import time
 
-    from asyncrl.trainers.rl import RLTrainer
+    from asyncrl.controller.rl import RLTrainer
     from asyncrl.weights import WeightPublisher
 
     steps, started, loads = 3, [], []
@@ -163,7 +163,7 @@ def test_servers_load_while_the_trainer_trains_the_next_step(tmp_path, tiny_mode
 
 
 def test_without_overlap_each_publish_waits_for_the_load(tmp_path, tiny_model, monkeypatch):
-    from asyncrl.trainers.rl import RLTrainer
+    from asyncrl.controller.rl import RLTrainer
 
     trained, loaded = [], []
     train_step = RLTrainer._train_step

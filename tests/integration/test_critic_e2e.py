@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny_run import tiny_run_config
 
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,9 @@ import pytest
 from toy_tasks import warm_start
 
 from asyncrl.config import load_config
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
 

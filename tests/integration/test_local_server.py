@@ -19,7 +19,11 @@ from procs import read_address
 from transformers import AutoModelForCausalLM
 
 from asyncrl.api.types import GenerationRequest, SamplingParams
-from asyncrl.inference.client import InferenceServerError, RemoteInferenceEngine, WeightUpdateError
+from asyncrl.inference.client.local import (
+    InferenceServerError,
+    RemoteInferenceEngine,
+    WeightUpdateError,
+)
 from asyncrl.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
@@ -35,11 +39,12 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(models):
-    """`python -m asyncrl.engine.server` on a free loopback port, with an API key."""
+    """`python -m asyncrl.inference.server.app` on a free loopback port, with an API key."""
     env = {**os.environ, "ASYNCRL_API_KEY": API_KEY}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.engine.server", "--model", models["v0"], "--port", "0",
-         "--threads", "1", "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "256"],
+        [sys.executable, "-m", "asyncrl.inference.server.app", "--model", models["v0"],
+         "--port", "0", "--threads", "1", "--dtype", "float32", "--max-batch-size", "4",
+         "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         yield read_address(proc, timeout=60)

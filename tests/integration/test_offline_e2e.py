@@ -10,7 +10,7 @@ from asyncrl.config import load_config
 from asyncrl.config.offline import DPOConfig, SFTConfig
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers import dpo, sft
+from asyncrl.offline import dpo, sft
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -112,14 +112,14 @@ def test_rm_entry_point_runs_the_example_config_on_a_folder_with_saves_and_syste
         tmp_path, tiny_model, capsys):
     from transformers import AutoConfig
 
-    from asyncrl.trainers import rm
+    from asyncrl.offline import rm
 
     data = tmp_path / "prefs"  # a folder: the keys RM gained from the shared config work
     data.mkdir()
     write_jsonl(data / "train.jsonl", [
         {"prompt": f"Greet {name}", "chosen": f"Hello {name}!", "rejected": f"Go away {name}."}
         for name in ("Ann", "Bob", "Cy", "Di")])
-    # `python -m asyncrl.trainers.rm` is `asyncrl rm`.
+    # `python -m asyncrl.offline.rm` is `asyncrl rm`.
     code = rm.main(["--config", str(REPO / "examples/rm/preference_rm_cpu.yaml"),
                     f"model.path={tiny_model}", "model.dtype=float32",
                     f"train_dataset.path={data}", f"valid_dataset.path={data}",

@@ -13,8 +13,8 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.offline import SFTConfig
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers import offline_launch
-from asyncrl.trainers.offline import OfflineTrainer
+from asyncrl.offline import launch as offline_launch
+from asyncrl.offline.loop import OfflineTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -148,7 +148,7 @@ def test_only_a_process_outside_torchrun_launches(monkeypatch):
 
 
 def test_a_last_batch_smaller_than_the_ranks_is_refused_before_training(monkeypatch):
-    monkeypatch.setattr("asyncrl.trainers.offline.dist.get_world_size", lambda: 4)
+    monkeypatch.setattr("asyncrl.offline.loop.dist.get_world_size", lambda: 4)
     OfflineTrainer._check_batches_split([[]] * 10, 5, "train_dataset")  # 5 + 5: fine
     with pytest.raises(ConfigError, match="train_dataset: 10 examples in batches of 8 leave a "
                                           "last batch of 2, fewer than the 4 ranks"):

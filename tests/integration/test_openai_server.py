@@ -49,7 +49,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(model):
-    proc, url = _start(["asyncrl.engine.server", "--model", model, "--port", "0",
+    proc, url = _start(["asyncrl.inference.server.app", "--model", model, "--port", "0",
                         "--threads", "1", "--dtype", "float32", "--max-batch-size", "4",
                         "--max-seq-len", "1024"])
     yield url
@@ -133,7 +133,7 @@ def test_bad_request_and_missing_key_are_openai_errors(client, server, model):
 
 @pytest.mark.integration
 def test_gateway_in_front_of_the_server_answers_like_the_server(client, server, model):
-    proc, url = _start(["asyncrl.services.gateway", "--backend-url", server, "--port", "0"])
+    proc, url = _start(["asyncrl.inference.gateway", "--backend-url", server, "--port", "0"])
     try:
         via = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         out = via.completions.create(model=model, prompt=PROMPT, **GREEDY)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from procs import server_pids
 
+from asyncrl.launch.local import free_port
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.scheduler.local import free_port
 
 pytestmark = pytest.mark.integration
 ASYNCRL = str(Path(sys.executable).with_name("asyncrl"))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from tiny_run import tiny_run_config
 
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 pytestmark = [pytest.mark.ray, pytest.mark.integration]
 ray = pytest.importorskip("ray")

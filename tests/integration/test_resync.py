@@ -10,9 +10,9 @@ import pytest
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference import RemoteInferenceEngine
+from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.scheduler import LocalScheduler
 
 pytestmark = pytest.mark.integration
 

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 from tiny_run import tiny_run_config
 
+from asyncrl.controller.rl import train
 from asyncrl.models.reward import load_reward_model
 from asyncrl.models.tiny import make_tiny_model, make_tiny_tokenizer
 from asyncrl.observe import read_stats
 from asyncrl.rewards.reward_model import RewardModelScorer
-from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
 

@@ -89,7 +89,7 @@ def test_a_server_dead_during_a_background_load_is_restarted_and_loads_again(tmp
         await load(self, version)
 
     monkeypatch.setattr(WeightPublisher, "load", load_once_dead)
-    from asyncrl.trainers.rl import train
+    from asyncrl.controller.rl import train
 
     train(cfg)
     log = (run / "logs" / "trainer.log").read_text()

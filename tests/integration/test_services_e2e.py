@@ -7,9 +7,9 @@ import pytest
 from procs import server_pids
 from tiny_run import tiny_run_config
 
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def _trainer_pids(run: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"asyncrl.services.training" in cmd and str(run).encode() in cmd:
+        if b"asyncrl.trainer.service" in cmd and str(run).encode() in cmd:
             pids.append(int(proc.name))
     return pids
 

@@ -15,11 +15,11 @@ from vllm_util import hf_greedy, hf_logprobs, needs_vllm
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference.base import WeightUpdateError
-from asyncrl.inference.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.base import WeightUpdateError
+from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.launch import LocalScheduler
+from asyncrl.launch.local import free_port
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.scheduler import LocalScheduler
-from asyncrl.scheduler.local import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
 

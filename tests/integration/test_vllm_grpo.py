@@ -6,9 +6,9 @@ import pytest
 from vllm_util import needs_vllm
 
 from asyncrl.config import load_config
+from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
-from asyncrl.trainers.rl import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
 

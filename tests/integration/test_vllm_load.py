@@ -4,7 +4,7 @@ scheduler step takes (vLLM's default budget is 2,048 tokens), every request with
 vLLM splits such a batch's prefills over steps unless chunked prefill is off; a split
 prefill rewinds the request's random generator, which a CPU generator cannot do
 (`docs/guides/reliability.md`, "Seeded sampling on each backend"). One server for the module,
-started by the same code as a run's (`scheduler/commands.py`).
+started by the same code as a run's (`launch/commands.py`).
 """
 
 import asyncio
@@ -16,9 +16,9 @@ from vllm_util import hf_logprobs, needs_vllm
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.scheduler import LocalScheduler
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
 

@@ -19,10 +19,10 @@ from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference import RemoteInferenceEngine
+from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.scheduler import LocalScheduler
-from asyncrl.training import FSDPTrainEngine
+from asyncrl.trainer import FSDPTrainEngine
 from asyncrl.weights import WeightPublisher
 
 pytestmark = pytest.mark.integration

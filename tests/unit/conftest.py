@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.models.tiny import make_tiny_model
-from asyncrl.training.dist import init_process_group
+from asyncrl.trainer.dist import init_process_group
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from asyncrl.agents.search import (
     search_items,
 )
 from asyncrl.agents.tools import ToolBox
-from asyncrl.services.tool_calls import hermes_messages
+from asyncrl.openai.tool_calls import hermes_messages
 
 
 def _call(i: int, query: str) -> dict:

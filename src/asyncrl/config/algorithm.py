@@ -83,7 +83,7 @@ class ActorConfig:
     # checkpointing, non-reentrant): less memory, more compute.
     gradient_checkpointing: bool = False
     # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
-    # once per micro-batch, as a token trie with exact gradients (training/prefix.py); the
+    # once per micro-batch, as a token trie with exact gradients (trainer/prefix.py); the
     # reference and teacher log-probs follow this switch.
     shared_prefix: bool = False
     # How each training batch is cut into forward/backward micro-batches.

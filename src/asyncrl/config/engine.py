@@ -72,7 +72,7 @@ class TrainEngineSpec:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     temperature: float = 1.0  # a policy's log-probs are those of logits / temperature
     # Rows sharing a prefix (a group's prompt, an agent's earlier turns) run it once: each
-    # micro-batch goes through the model as a token trie (training/prefix.py). Exact
+    # micro-batch goes through the model as a token trie (trainer/prefix.py). Exact
     # gradients; needs sdpa attention and full-attention layers.
     shared_prefix: bool = False
     # Where the rank computes. Not a key of any section: the trainer that builds the spec

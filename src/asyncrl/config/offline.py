@@ -7,7 +7,7 @@ TRL's for DPO (`beta`, `loss_type`, `label_smoothing`). Load one with
 `load_config(path, overrides, schema=SFTConfig)`.
 
 `allocation_mode` is AReaL's training part alone, `fsdp:d<N>`: N data-parallel ranks on
-this machine, which `asyncrl sft | dpo | rm` starts (trainers/offline_launch.py).
+this machine, which `asyncrl sft | dpo | rm` starts (offline/launch.py).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class TrainEngineConfig:
     # The model's AdamW and lr schedule.
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     # Rows sharing a prefix (DPO's chosen and rejected share their prompt) run it once, as
-    # a token trie (training/prefix.py); exact. Needs sdpa attention.
+    # a token trie (trainer/prefix.py); exact. Needs sdpa attention.
     shared_prefix: bool = False
 
     def engine_spec(self, *, device: str) -> TrainEngineSpec:

@@ -67,15 +67,15 @@ class SchedulerConfig:
     # Seconds one call to the trainer ranks (a whole RL step, a save) may take.
     trainer_timeout: float = 3600.0
     # Where the agent proxy runs (workflow.type=agent): `inline` on the controller's rollout
-    # loop, `service` as its own process (services/agent.py) started by the scheduler;
+    # loop, `service` as its own process (agents/service.py) started by the scheduler;
     # `auto`: inline under the local scheduler, else service.
     agent: Literal["auto", "inline", "service"] = "auto"
     # Where requests are routed to the inference servers: `inline` by the controller's own
-    # client (and the agent service's), `service` by a router process (services/router.py)
+    # client (and the agent service's), `service` by a router process (inference/router.py)
     # that both go through; `auto`: inline under the local scheduler, else service.
     router: Literal["auto", "inline", "service"] = "auto"
     # Who carries each weight version from the trainer ranks to the servers: `inline` the
-    # controller, `service` a weight-update process (services/weight_update.py; needs the
+    # controller, `service` a weight-update process (controller/weight_update.py; needs the
     # trainer ranks as a service); `auto`: service off the local scheduler when the trainer
     # ranks are a service, else inline.
     weight_update: Literal["auto", "inline", "service"] = "auto"

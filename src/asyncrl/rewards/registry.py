@@ -24,6 +24,7 @@ def resolve_reward_fn(name: str, *, reward_model_path: str | None = None) -> Rew
         if not reward_model_path:
             raise ValueError("reward_fn 'reward_model' needs workflow.reward_model_path (a "
                              "folder written by `asyncrl rm`)")
+        # torch and transformers: loaded only when a reward model scores
         from asyncrl.rewards.reward_model import RewardModelScorer
 
         return RewardModelScorer(reward_model_path)

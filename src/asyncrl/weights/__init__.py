@@ -33,7 +33,7 @@ def make_publisher(mode: str, engine: Any, *, root: Path, dtype: str = "bfloat16
                    ) -> WeightPublisher | BroadcastPublisher | IpcPublisher:
     """The publisher of `actor.weight_update_mode`: versioned folders under `root`, a
     broadcast from trainer rank 0 in buckets of `bucket_mb` MiB (this process's, or the
-    training service's through `sender`: services.training.RemoteWeightSender), or the
+    training service's through `sender`: trainer.service.RemoteWeightSender), or the
     trainer's GPU buffer shared by CUDA IPC."""
     if mode == "disk":
         return WeightPublisher(root, engine, dtype=dtype, run=run)

@@ -9,7 +9,7 @@ No disk and no NCCL (which refuses two ranks on one GPU): the trainer lays its w
 to end in one GPU buffer (transport.BucketLayout, one bucket; vLLM's packed layout) and
 shares that buffer's allocation through CUDA IPC (torch's `reduce_tensor`: a
 cudaIpcMemHandle and the buffer's place in it). The handle travels as JSON in the body of
-the server's update route (`IpcHandle`; vLLM's route takes it pickled, inference/vllm.py).
+the server's update route (`IpcHandle`; vLLM's route takes it pickled, inference/client/vllm.py).
 The server opens it (`rebuild_cuda_tensor`, on its own device index), copies every tensor
 into its spare weights, waits for the copies and answers; only then does the trainer write
 the buffer again (the publish waits for every server).

@@ -17,7 +17,7 @@ checkpoints, to keep one.
 
 `publish` does both in turn. The two halves are also public: `save` (the trainer's part)
 and `load` (a coroutine on the client's loop), so that the trainer can go on training
-while the servers load (`actor.weight_update_overlap`, trainers/rl.py).
+while the servers load (`actor.weight_update_overlap`, controller/rl.py).
 """
 
 from __future__ import annotations

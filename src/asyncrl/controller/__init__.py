@@ -1,0 +1,3 @@
+"""The RL controller: the loop of the asynchronous PPO family (rl.py), the rollout that
+feeds it (rollout/, workflows/), recovery (recover.py), agent episodes (agents.py) and the
+start of the run's processes under its scheduler (launch.py)."""

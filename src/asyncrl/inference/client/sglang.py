@@ -1,0 +1,171 @@
+"""Client for SGLang's native HTTP API (sglang.launch_server).
+
+Endpoints used (shapes from SGLang's http_server.py and io_struct.py):
+- POST /generate {"input_ids", "sampling_params", "return_logprob": true, "rid"}: the answer's
+  meta_info.output_token_logprobs holds one [logprob, token_id, text] triple per sampled
+  token; meta_info.finish_reason is {"type": "stop" | "length" | "abort", ...}.
+- POST /pause_generation {"mode": "abort"}: requests in flight end with finish_reason
+  "abort" and their tokens so far (as vLLM's /pause); POST /continue_generation resumes.
+- POST /update_weights_from_disk {"model_path", "weight_version"} -> {"success", "message"}.
+- GET /model_info -> {"weight_version", ...}; GET /health. SGLang 0.5.6 added /model_info
+  and deprecated /get_model_info (it logs a warning per call); servers up to 0.5.5 have only
+  /get_model_info, which the client then asks instead (after one 404 per server).
+- Broadcast: POST /init_weights_update_group {"master_address", "master_port",
+  "rank_offset", "world_size", "group_name", "backend"}; then per bucket POST
+  /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+  "load_format": "flattened_bucket", "flush_cache", "weight_version"} while the trainer
+  broadcasts that bucket; POST /destroy_weights_update_group {"group_name"}.
+
+SGLang loads each bucket into the live model as it comes: a broadcast that fails half-way
+leaves a server with a mix of old and new weights under its old version. The client then
+leaves it paused (out of routing) rather than resuming it; it rejoins, and gets whole
+weights, with the next broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
+from asyncrl.inference.client.base import (
+    InferenceServerError,
+    ServerStatusError,
+    WeightBroadcast,
+    WeightUpdateError,
+)
+from asyncrl.inference.client.resubmit import Piece, ResubmittingEngine
+
+
+class SGLangInferenceEngine(ResubmittingEngine):
+    """Routes generations to SGLang servers; a weight update aborts, reloads and resubmits."""
+
+    backend = "sglang"
+
+    def __init__(self, addresses: list[str], **kwargs) -> None:
+        super().__init__(addresses, **kwargs)
+        self._old_model_info: set[str] = set()  # servers without /model_info (<= 0.5.5)
+
+    async def _generate_piece(self, address: str, req: GenerationRequest,
+                              done_ids: list[int]) -> Piece:
+        body = await self._request(address, "/generate", generate_body(req, done_ids),
+                                   timeout=self.request_timeout)
+        return parse_generate(body, address)
+
+    async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
+        address, t = self.addresses[idx], self.update_weights_timeout
+        pause = ("pause_generation", lambda: self._request(
+            address, "/pause_generation", {"mode": "abort"}, timeout=t))
+        resume = ("continue_generation", lambda: self._request(
+            address, "/continue_generation", {}, timeout=t))
+        if not isinstance(path, WeightBroadcast):
+            load = {"model_path": path, "weight_version": str(version)}
+            await self._update_steps(idx, version, [pause, (
+                "update_weights_from_disk",
+                lambda: self._load(address, "/update_weights_from_disk", load, t)), resume])
+            return
+        buckets = bucket_bodies(path, version)
+        await self._update_steps(idx, version, [pause])
+        try:
+            for body in buckets:
+                await self._load(address, "/update_weights_from_distributed", body, t)
+        except InferenceServerError as e:
+            self._mark_down(idx, f"weights partly updated by a failed broadcast: {e}")
+            raise WeightUpdateError(f"weight update to version {version} failed on {address} "
+                                    f"at step 'update_weights_from_distributed' (left paused: "
+                                    f"its weights are partly updated): {e}") from e
+        await self._update_steps(idx, version, [resume])
+
+    async def _load(self, address: str, route: str, load: dict[str, Any], timeout: float) -> None:
+        body = await self._request(address, route, load, timeout=timeout)
+        if not body.get("success", False):  # older servers answer 200 with success=false
+            raise InferenceServerError(f"{address}{route}: {body.get('message', body)}")
+
+    def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
+                      group_name: str, backend: str, bucket_bytes: int) -> tuple[str, dict]:
+        return "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+    def _leave_request(self, group_name: str) -> tuple[str, dict | None]:
+        return "/destroy_weights_update_group", {"group_name": group_name}
+
+    async def _read_version(self, address: str) -> int:
+        body = await self._model_info(address)
+        label = body.get("weight_version")
+        return 0 if label in (None, "default") else int(label)
+
+    async def _model_info(self, address: str) -> dict[str, Any]:
+        """The server's model info: /model_info, or /get_model_info where that is a 404."""
+        t = self.update_weights_timeout
+        if address not in self._old_model_info:
+            try:
+                return await self._request(address, "/model_info", None, timeout=t, method="GET")
+            except ServerStatusError as e:
+                if e.status != 404:
+                    raise
+            self._old_model_info.add(address)
+        return await self._request(address, "/get_model_info", None, timeout=t, method="GET")
+
+    async def _pause_one(self, address: str) -> Any:
+        # retract: requests in flight go back to the queue, kept (the protocol's pause)
+        return await self._request(address, "/pause_generation", {"mode": "retract"},
+                                   timeout=self.update_weights_timeout)
+
+    async def _resume_one(self, address: str) -> Any:
+        return await self._request(address, "/continue_generation", {},
+                                   timeout=self.update_weights_timeout)
+
+
+def bucket_bodies(broadcast: WeightBroadcast, version: int) -> list[dict[str, Any]]:
+    """One /update_weights_from_distributed body per bucket of the broadcast, in order; the
+    last sets the version and flushes the cache."""
+    layout, bodies, first = broadcast.layout, [], 0
+    for k, count in enumerate(layout["buckets"]):
+        last = k == len(layout["buckets"]) - 1
+        part = slice(first, first + count)
+        bodies.append({"names": layout["names"][part], "dtypes": layout["dtypes"][part],
+                       "shapes": layout["shapes"][part], "group_name": broadcast.group_name,
+                       "load_format": "flattened_bucket", "flush_cache": last,
+                       **({"weight_version": str(version)} if last else {})})
+        first += count
+    return bodies
+
+
+def generate_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:
+    """The /generate request continuing `req` after the `done_ids` already sampled."""
+    s = req.sampling
+    return {
+        "input_ids": list(req.input_ids) + list(done_ids),
+        "sampling_params": {
+            "max_new_tokens": s.max_new_tokens - len(done_ids),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang disables top-k with -1
+            "stop_token_ids": list(s.stop_token_ids),
+            "stop": list(s.stop),
+            "ignore_eos": s.ignore_eos,
+            "skip_special_tokens": False,
+            **({"sampling_seed": piece_seed(s.seed, len(done_ids))} if s.seed is not None
+               else {}),
+        },
+        "return_logprob": True,
+        # one rid per piece: SGLang refuses a rid that is still known to it
+        "rid": f"{req.rid}-{len(done_ids)}",
+    }
+
+
+def parse_generate(body: dict[str, Any], address: str) -> Piece:
+    """Token ids, their log-probs and the finish reason of a /generate answer."""
+    try:
+        meta = body["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        finish = StopReason(meta["finish_reason"]["type"])  # stop | length | abort
+        ids = [int(t[1]) for t in triples]
+        lps = [float(t[0]) for t in triples]
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise InferenceServerError(f"{address}/generate: unexpected answer "
+                                   f"({type(e).__name__}: {e}): {str(body)[:300]}") from e
+    if "output_ids" in body and list(body["output_ids"]) != ids:
+        raise InferenceServerError(f"{address}/generate: output_ids {body['output_ids'][:8]}... "
+                                   f"differ from the log-prob tokens {ids[:8]}...")
+    return Piece(ids, lps, finish)

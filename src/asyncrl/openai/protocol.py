@@ -1,0 +1,353 @@
+"""OpenAI request bodies checked and turned into token ids plus our `SamplingParams`.
+
+Every rejection is an `OpenAIError` whose `param` names the field, the way OpenAI's API
+answers. `seed` gives the request its own random stream (choice i of n: a stream derived
+from it), so the same weights answer it the same way whatever else the server batches.
+Fields we accept but do not act on: `user`, `metadata`, `store`, `parallel_tool_calls`,
+`service_tier`. Fields that would change the answer and that
+we cannot honour (penalties, `logit_bias`, `echo`, `best_of`, top-k alternatives) are
+rejected when set to anything but their neutral value. Extensions (vLLM's names):
+`top_k`, `ignore_eos`, `stop_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from asyncrl.api.types import SamplingParams
+from asyncrl.openai.tool_calls import hermes_messages
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 4096  # when the context length is not known
+MAX_N = 64
+_IGNORED = {"user", "metadata", "store", "parallel_tool_calls", "service_tier"}
+_COMMON = {"model", "seed", "max_tokens", "temperature", "top_p", "n", "stop", "stream",
+           "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "top_k",
+           "ignore_eos", "stop_token_ids"} | _IGNORED
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                         "tools", "tool_choice", "response_format"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class OpenAIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(kw_only=True)
+class Job:
+    """What one request asks for: prompts, sampling, and how to answer."""
+
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None  # set when tool calls are to be parsed
+    stop: list[str] = field(default_factory=list)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None,
+         hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
+        raise OpenAIError(f"{name} must be an integer{bounds}, got {value!r}", param=name)
+    return value
+
+
+def _num(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_num(value) or not lo <= value <= hi:
+        raise OpenAIError(f"{name} must be a number in [{lo}, {hi}], got {value!r}", param=name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAIError(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _check_fields(body: Any, allowed: set[str], model_name: str) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(f"unknown field {unknown[0]!r}; this server accepts {sorted(allowed)}",
+                          param=unknown[0])
+    if body.get("model") != model_name:
+        raise OpenAIError(f"model {body.get('model')!r} is not served here; use {model_name!r}",
+                          param="model", code="model_not_found")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise OpenAIError(f"{name} is not supported (only 0)", param=name)
+    if body.get("logit_bias"):
+        raise OpenAIError("logit_bias is not supported", param="logit_bias")
+    return body
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise OpenAIError(f"stop must be a non-empty string or a list of them, got {stop!r}",
+                          param="stop")
+    return stop
+
+
+def _sampling(body: dict, max_tokens: int, stop: list[str]) -> SamplingParams:
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise OpenAIError("stop_token_ids must be a list of token ids", param="stop_token_ids")
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(body, "top_p", 1.0, 1e-9, 1.0), top_k=_int(body, "top_k", 0, lo=0),
+        stop=stop, stop_token_ids=ids, ignore_eos=_bool(body, "ignore_eos", False),
+        seed=None if (seed := _int(body, "seed", None)) is None else seed % 2**63)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise OpenAIError("stream_options must be {\"include_usage\": bool}",
+                          param="stream_options")
+    if not stream:
+        raise OpenAIError("stream_options needs stream: true", param="stream_options")
+    return stream, _bool(options, "include_usage", False)
+
+
+def _check_length(prompt: list[int], max_model_len: int | None, param: str) -> None:
+    if max_model_len is not None and len(prompt) >= max_model_len:
+        raise OpenAIError(f"{param} come to {len(prompt)} prompt tokens; the model's context is "
+                          f"{max_model_len} tokens, which leaves no room to generate",
+                          param=param, code="context_length_exceeded")
+
+
+def parse_completion(body: Any, tokenizer, model_name: str,
+                     max_model_len: int | None) -> Job:
+    """Check a /v1/completions body and tokenize its prompts."""
+    body = _check_fields(body, COMPLETION_FIELDS, model_name)
+    if _bool(body, "echo", False):
+        raise OpenAIError("echo is not supported", param="echo")
+    if body.get("suffix"):
+        raise OpenAIError("suffix is not supported", param="suffix")
+    if _int(body, "best_of", 1, lo=1) != 1:
+        raise OpenAIError("best_of is not supported (only 1)", param="best_of")
+    logprobs = _int(body, "logprobs", None, lo=0, hi=5)
+    if logprobs:
+        raise OpenAIError("logprobs > 0 asks for top-k alternatives, which this engine does not "
+                          "compute; use logprobs: 0 for the sampled tokens' log-probs",
+                          param="logprobs")
+    prompts = _prompts(body.get("prompt"), tokenizer)
+    for p in prompts:
+        _check_length(p, max_model_len, "prompt")
+    stop = _stop(body)
+    stream, usage = _stream_flags(body)
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1)
+    return Job(prompts=prompts, sampling=_sampling(body, max_tokens, stop),
+               n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=usage,
+               logprobs=logprobs is not None, stop=stop)
+
+
+def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    bad = OpenAIError("prompt must be a non-empty string, list of strings, list of token ids "
+                      "or list of token-id lists", param="prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad
+    out = []
+    for p in prompt:
+        if isinstance(p, str) and p:
+            out.append(tokenizer.encode(p))
+        elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+            out.append(list(p))
+        else:
+            raise bad
+    return out
+
+
+def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
+               native_tools: bool) -> Job:
+    """Check a /v1/chat/completions body and render its messages with the chat template."""
+    body = _check_fields(body, CHAT_FIELDS, model_name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise OpenAIError("response_format other than {\"type\": \"text\"} is not supported",
+                          param="response_format")
+    logprobs = _bool(body, "logprobs", False)
+    if _int(body, "top_logprobs", 0, lo=0, hi=20):
+        raise OpenAIError("top_logprobs > 0 asks for top-k alternatives, which this engine does "
+                          "not compute; use logprobs: true with top_logprobs: 0",
+                          param="top_logprobs")
+    messages = _messages(body.get("messages"))
+    tools, choice = _tools(body.get("tools"), body.get("tool_choice"))
+    prompt = render_chat(tokenizer, messages, tools if choice != "none" else None, choice,
+                         native_tools)
+    _check_length(prompt, max_model_len, "messages")
+    room = max_model_len - len(prompt) if max_model_len else DEFAULT_CHAT_MAX_TOKENS
+    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+    max_tokens = _int(body, "max_tokens", max_tokens, lo=1) or min(room, DEFAULT_CHAT_MAX_TOKENS)
+    stop = _stop(body)
+    stream, usage = _stream_flags(body)
+    return Job(prompts=[prompt], sampling=_sampling(body, max_tokens, stop),
+               n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=usage,
+               logprobs=logprobs, stop=stop, tools=tools if tools and choice != "none" else None)
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """Checked messages: role, text content, and tool calls or tool_call_id where present."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise OpenAIError(f"{where} must be an object with a role in {sorted(ROLES)}",
+                              param=f"{where}.role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _history_calls(m["tool_calls"], where)
+        elif msg["content"] is None and role != "assistant":
+            raise OpenAIError(f"{where}.content is missing", param=f"{where}.content")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise OpenAIError(f"{where}.tool_call_id must be a string",
+                                  param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def _content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise OpenAIError(f"{where}.content[{j}] must be a text part; other content "
+                                  "types are not supported", param=f"{where}.content[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise OpenAIError(f"{where}.content must be a string or a list of text parts",
+                      param=f"{where}.content")
+
+
+def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str) for c in calls)
+    if not ok:
+        raise OpenAIError(f"{where}.tool_calls must be a list of {{id, type, function: {{name, "
+                          "arguments (a JSON string)}}}}", param=f"{where}.tool_calls")
+    return [{"id": c.get("id", ""), "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+            for c in calls]
+
+
+def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, Any]:
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        return None, "none"
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str) for t in tools)
+    if not ok:
+        raise OpenAIError("tools must be a list of {type: \"function\", function: {name, ...}}",
+                          param="tools")
+    names = {t["function"]["name"] for t in tools}
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or name not in names:
+            raise OpenAIError(f"tool_choice names a function that is not in tools: {name!r}",
+                              param="tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise OpenAIError(f"tool_choice must be none, auto, required or a named function, got "
+                          f"{choice!r}", param="tool_choice")
+    return tools, choice
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the chat template renders `tools=` (else we write the Hermes form ourselves)."""
+    probe = {"type": "function", "function": {"name": "asyncrl_probe_function",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe],
+                                             tokenize=False, add_generation_prompt=True)
+    except (jinja2.TemplateError, ValueError):  # no template, or one that rejects tools
+        return False
+    return "asyncrl_probe_function" in text
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                tool_choice: Any, native_tools: bool) -> list[int]:
+    """The prompt token ids of `messages` under the tokenizer's chat template."""
+    if native_tools:
+        messages = [_native(m) for m in messages]
+    else:
+        messages, tools = hermes_messages(messages, tools, tool_choice), None
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+    except (jinja2.TemplateError, ValueError) as e:  # e.g. roles out of the template's order
+        raise OpenAIError(f"the chat template rejected the messages: {e}",
+                          param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _native(m: dict[str, Any]) -> dict[str, Any]:
+    """HF templates expect tool-call arguments as an object, OpenAI sends a JSON string."""
+    if "tool_calls" not in m:
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except json.JSONDecodeError:
+            args = c["function"]["arguments"]
+        calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
+    return {**m, "tool_calls": calls}

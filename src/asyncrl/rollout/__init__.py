@@ -1,9 +1,0 @@
-"""Rollout: the staleness bound and the controller that runs episodes asynchronously."""
-
-from asyncrl.rollout.controller import Episode, RolloutController, RolloutError
-from asyncrl.rollout.evaluate import evaluate
-from asyncrl.rollout.filters import has_reward_signal, make_episode_filter
-from asyncrl.rollout.staleness import StalenessManager
-
-__all__ = ["Episode", "RolloutController", "RolloutError", "StalenessManager", "evaluate",
-           "has_reward_signal", "make_episode_filter"]

@@ -1,0 +1,79 @@
+"""Frozen models that score the actor's batches: the KL reference and the distillation teacher.
+
+Each is an `FSDPTrainEngine` that is never stepped: AdamW allocates its state on the first
+step, so its unused optimiser costs no memory. It shares the actor's temperature, so its
+log-probs are of the same tempered distribution as the actor's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.config.schema import ExperimentConfig, MicroBatchSpec
+from asyncrl.trainer.engine import FSDPTrainEngine
+
+
+def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int, device: str,
+                  temperature: float = 1.0, init_from_scratch: bool = False,
+                  shared_prefix: bool = False) -> FSDPTrainEngine:
+    """A never-stepped engine for the model at `path` on `device` (not initialised)."""
+    spec = TrainEngineSpec(path=path, dtype=dtype, mb_spec=mb_spec, temperature=temperature,
+                           init_from_scratch=init_from_scratch, shared_prefix=shared_prefix,
+                           device=device)
+    return FSDPTrainEngine(spec, total_steps=1, seed=seed)
+
+
+def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+    """The frozen reference model of the KL term (not initialised); None when kl_ctl is 0.
+
+    It shares the actor's init_from_scratch (with the same seed: the same weights).
+    """
+    if cfg.actor.kl_ctl == 0:
+        return None
+    return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
+                         seed=cfg.seed, device=cfg.cluster.device, temperature=cfg.actor.temperature,
+                         init_from_scratch=cfg.actor.init_from_scratch,
+                         shared_prefix=cfg.actor.shared_prefix)
+
+
+def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+    """The distillation teacher (not initialised); None when actor.distill_coef is 0."""
+    if cfg.actor.distill_coef == 0:
+        return None
+    return frozen_engine(path=cfg.teacher.path, dtype=cfg.teacher.dtype,
+                         mb_spec=cfg.teacher.mb_spec, seed=cfg.seed, device=cfg.cluster.device,
+                         temperature=cfg.actor.temperature, shared_prefix=cfg.actor.shared_prefix)
+
+
+def check_shared_vocab(student_vocab: dict[str, int], teacher_vocab: dict[str, int],
+                       teacher_rows: int, *, teacher_path: str) -> None:
+    """Raise unless the teacher reads the student's token ids as the same tokens.
+
+    The teacher scores the actor's token ids, so both tokenizers must map every token to the
+    same id, and the teacher's output layer must have a row for every id. Padded rows beyond
+    the tokenizer (model sizes of one family differ there) are harmless.
+    """
+    where = f"teacher.path={teacher_path!r}"
+    if len(teacher_vocab) != len(student_vocab):
+        raise ValueError(f"{where} has a tokenizer of {len(teacher_vocab)} tokens but the actor's "
+                         f"(tokenizer_path) has {len(student_vocab)}: the teacher scores the "
+                         "actor's token ids, so it must share the actor's tokenizer; choose a "
+                         "teacher of the same model family")
+    differ = sorted((i, tok) for tok, i in student_vocab.items() if teacher_vocab.get(tok) != i)
+    if differ:
+        i, tok = differ[0]
+        raise ValueError(f"{where}: {len(differ)} of {len(student_vocab)} tokens have other ids "
+                         f"than in the actor's tokenizer (e.g. {tok!r}: {i} for the actor, "
+                         f"{teacher_vocab.get(tok)} for the teacher); use a teacher that shares "
+                         "the actor's tokenizer")
+    if teacher_rows < len(student_vocab):
+        raise ValueError(f"{where}: its output layer has {teacher_rows} rows (config vocab_size) "
+                         f"but the tokenizer has {len(student_vocab)} tokens, so some token ids "
+                         "have no log-prob; the teacher's checkpoint does not match its tokenizer")
+
+
+def check_teacher_vocab(student_tokenizer: Any, teacher: FSDPTrainEngine) -> None:
+    """`check_shared_vocab` on an initialised teacher engine."""
+    check_shared_vocab(student_tokenizer.get_vocab(), teacher.tokenizer.get_vocab(),
+                       teacher.model.hf.config.vocab_size, teacher_path=teacher.spec.path)

@@ -1,1 +1,0 @@
-"""Training loops: `rl` (the asynchronous PPO family); `sft` and `dpo` on `offline`."""

@@ -1,0 +1,74 @@
+"""Generation across a weight update on servers whose pause aborts (vLLM's way), with fakes."""
+
+import asyncio
+
+from fake_vllm import FakeVLLMServers
+
+from asyncrl.api import GenerationRequest, SamplingParams
+from asyncrl.inference.client.vllm import VLLMInferenceEngine
+
+
+def test_interrupted_request_resumes_on_its_server_with_tokens_of_both_versions(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    fakes = FakeVLLMServers(2, token_s=0.05)
+    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+    prompt = [7, 8, 9]
+
+    async def go():
+        long = asyncio.ensure_future(client.agenerate(GenerationRequest(
+            input_ids=prompt, sampling=SamplingParams(max_new_tokens=30), rid="long")))
+        other = await client.agenerate(GenerationRequest(  # busies the other server
+            input_ids=[5], sampling=SamplingParams(max_new_tokens=5), rid="other"))
+        await asyncio.sleep(0.1)  # "long" is well into its 1.5 s of tokens
+        await client.update_weights_from_disk(str(tmp_path), 1)
+        return await long, other
+
+    r, other = asyncio.run(go())
+    asyncio.run(client.close())
+    pieces = [(srv, body) for srv, path, body in fakes.calls if path == "/v1/completions"
+              and body["prompt"][:3] == prompt]
+    assert len(pieces) == 2 and pieces[0][0] == pieces[1][0]  # resubmitted to its own server
+    n_old = len(pieces[1][1]["prompt"]) - len(prompt)
+    assert 0 < n_old < 30
+    # the second piece continues the first: prompt + tokens so far, for the rest of the budget
+    assert pieces[1][1]["prompt"] == prompt + r.output_ids[:n_old]
+    assert pieces[1][1]["max_tokens"] == 30 - n_old
+    assert r.output_ids == list(range(3, 33))  # stitched without a gap or a repeat
+    assert r.output_versions == [0] * n_old + [1] * (30 - n_old)
+    assert r.output_logprobs == [-1.0] * n_old + [-2.0] * (30 - n_old)
+    assert r.stop_reason.value == "length"
+    assert other.output_versions == [0] * 5
+    # both servers were paused (aborting), reloaded, versioned and resumed, in that order
+    for i in (0, 1):
+        steps = [p for srv, p, _ in fakes.calls if srv == i and p != "/v1/completions"]
+        assert steps == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
+    assert fakes.versions == [1, 1]
+
+
+def test_server_failing_health_leaves_routing_and_returns_resynced(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    fakes = FakeVLLMServers(2, token_s=0.001)
+    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+
+    async def go():
+        fakes.healthy[1] = False
+        assert await client.check_servers() == [fakes.addresses[0]]
+        await client.update_weights_from_disk(str(tmp_path), 4)  # server 0 only
+        while_down = [await client.agenerate(GenerationRequest(
+            input_ids=[1], sampling=SamplingParams(max_new_tokens=2))) for _ in range(3)]
+        fakes.versions[1] = 0  # it comes back restarted, with the base weights
+        fakes.healthy[1] = True
+        live = await client.check_servers()
+        return while_down, live
+
+    while_down, live = asyncio.run(go())
+    asyncio.run(client.close())
+    assert live == fakes.addresses and fakes.versions == [4, 4]
+    assert all(r.output_versions == [4, 4] for r in while_down)
+    served = [srv for srv, path, _ in fakes.calls if path == "/v1/completions"]
+    assert served == [0, 0, 0]  # nothing went to the failed server
+    resync = [p for srv, p, _ in fakes.calls if srv == 1 and p not in ("/health",)]
+    assert resync == ["/weight_info", "/pause", "/collective_rpc", "/update_weight_version",
+                      "/resume"]  # read its version, then loaded the current one

@@ -1,0 +1,79 @@
+"""The command line and environment of each backend's server, and the inference role's spec."""
+
+import os
+import sys
+
+import pytest
+
+from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.inference.client.backends import client_class
+from asyncrl.launch.commands import inference_spec, server_command
+
+
+def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
+    argv, env = server_command("vllm", "/m", "127.0.0.1", 8001, dtype="float32",
+                               extra=["--max-num-seqs", "4"])
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8001" and argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "4"]
+    # seeded requests need whole prefills on CPU (docs/guides/reliability.md)
+    assert "--no-enable-chunked-prefill" in argv
+    assert argv[argv.index("--worker-extension-cls") + 1] == (
+        "asyncrl.inference.client.vllm_worker.WeightSyncExtension")
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1"  # no traffic off the machine
+    assert env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_gpu_servers_get_their_devices_and_no_cpu_flags():
+    argv, env = server_command("vllm", "/m", "127.0.0.1", 8001, device="cuda:2")
+    assert env["CUDA_VISIBLE_DEVICES"] == "2" and "--enforce-eager" not in argv
+    assert "--no-enable-chunked-prefill" not in argv  # a GPU generator rewinds
+    argv, env = server_command("sglang", "/m", "127.0.0.1", 9000, device="cuda:0,1")
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == "/m" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_local_server_command():
+    argv, _ = server_command("local", "/m", "127.0.0.1", 7000, dtype="bfloat16")
+    assert argv[1:3] == ["-m", "asyncrl.inference.server.app"]
+    assert argv[argv.index("--model") + 1] == "/m" and argv[argv.index("--port") + 1] == "7000"
+
+
+@pytest.mark.parametrize("backend, device, message", [
+    ("trt", "cpu", "backend 'trt' is not one of"),
+    ("vllm", "gpu", "device 'gpu' is not"),
+])
+def test_bad_backend_or_device_is_named(backend, device, message):
+    with pytest.raises(ValueError, match=message):
+        server_command(backend, "/m", "127.0.0.1", 1, device=device)
+
+
+def test_each_backend_has_a_client_class():
+    assert [client_class(b).backend for b in ("local", "vllm", "sglang")] == [
+        "local", "vllm", "sglang"]
+    with pytest.raises(ValueError, match="backend 'x' is not one of"):
+        client_class("x")
+
+
+def test_inference_spec_has_placeholders_and_a_seed_per_server():
+    spec = inference_spec("local", "/m", LocalEngineConfig(max_batch_size=8), n_servers=2,
+                          seed=10, cpus=3, extra_args=["--flag"])
+    assert (spec.role, spec.count, spec.cpus, spec.gpus) == ("inference", 2, 3, 0)
+    argv = spec.argv(1, {"host": "10.0.0.5", "port": "9001", "cpus": "3"})
+    assert argv[argv.index("--host") + 1] == "10.0.0.5" and argv[argv.index("--port") + 1] == "9001"
+    assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--max-batch-size") + 1] == "8"
+    assert argv[-3:] == ["--flag", "--seed", "11"]
+    assert spec.env["HF_HUB_OFFLINE"] == "1" and "PATH" not in spec.env  # additions only
+
+
+def test_vllm_spec_binds_its_engine_to_the_worker_host_and_cores():
+    spec = inference_spec("vllm", "/m", LocalEngineConfig(), n_servers=1, seed=0,
+                          cache_dir="/run/vllm-cache")
+    env = spec.environment({"host": "10.0.0.5", "cores": "4,5"})
+    assert env["VLLM_HOST_IP"] == os.environ.get("VLLM_HOST_IP", "10.0.0.5")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "4,5")
+    assert env["VLLM_CACHE_ROOT"] == os.environ.get("VLLM_CACHE_ROOT", "/run/vllm-cache")
+    gpu = inference_spec("sglang", "/m", LocalEngineConfig(), n_servers=2, seed=0, device="cuda")
+    assert gpu.gpus == 1 and gpu.worker_args == [["--random-seed", "0"], ["--random-seed", "1"]]
