@@ -1,8 +1,7 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`.
+"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`."""
 
-Each command imports what it runs inside its function: torch and the trainer load only for
-the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
-"""
+# Each command imports what it runs inside its function: torch and the trainer load only
+# for the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
 
 from __future__ import annotations
 
