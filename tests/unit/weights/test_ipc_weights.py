@@ -16,7 +16,7 @@ import sys
 import pytest
 import requests
 import torch
-from aiohttp import web
+from recorder import Recorder
 from serving import serving
 
 from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
@@ -298,20 +298,6 @@ def test_a_server_back_from_the_dead_rejoins_with_the_next_ipc_update():
 # ---- vLLM's IPC weight transfer ---------------------------------------------------------------
 
 
-class Recorder:
-    """Answers every request with {"success": true} and records (path, body)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, dict | None]] = []
-        self.app = web.Application()
-        self.app.router.add_route("*", "/{path:.*}", self.handle)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else None
-        self.calls.append((request.path_qs, body))
-        if request.path == "/health":
-            return web.json_response({"status": "ok"})
-        return web.json_response({"success": True})
 
 
 def _bf16_state() -> dict[str, torch.Tensor]:

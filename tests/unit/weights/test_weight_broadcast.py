@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
+from recorder import Recorder
 from safetensors.torch import load_file
 from serving import serving
 
@@ -368,20 +368,6 @@ def test_server_refuses_updates_it_cannot_take_and_keeps_serving(tiny):
 
 # ---- vLLM's and SGLang's endpoints (recorded by a loopback stand-in) ----------------------------
 
-class Recorder:
-    """Answers every POST with {"success": true} and records (path, body)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, dict | None]] = []
-        self.app = web.Application()
-        self.app.router.add_route("*", "/{path:.*}", self.handle)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else None
-        self.calls.append((request.path_qs, body))
-        if request.path == "/health":
-            return web.json_response({"status": "ok"})
-        return web.json_response({"success": True})
 
 
 LAYOUT = BucketLayout.plan([("w.a", torch.bfloat16, [4, 4]), ("w.b", torch.bfloat16, [8]),
