@@ -26,7 +26,7 @@ from collections.abc import Callable
 import aiohttp
 import torch
 
-from asyncrl.inference.server.bench import prompts
+from engine_vs_hf import prompts
 from asyncrl.launch.commands import server_command
 from asyncrl.launch.local import free_port
 from asyncrl.models.hub import resolve_model_path

@@ -290,7 +290,7 @@ def weight_bytes(cfg) -> int:
 def decode(engine, size: dict, batch: int, warm: bool) -> dict:
     """Generated tokens, seconds and bytes read by the decode steps of `batch` requests."""
     from asyncrl.api.types import GenerationRequest, SamplingParams
-    from asyncrl.inference.server.bench import prompts
+    from engine_vs_hf import prompts
 
     cfg = engine.model.cfg
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
@@ -359,7 +359,7 @@ def digest_check(trainer, server, out: dict) -> None:
 def logprob_gap(trainer, server, size: dict, out: dict) -> None:
     """Max and mean |trainer log-prob - server log-prob| of the server's sampled tokens."""
     from asyncrl.api.types import GenerationRequest, SamplingParams
-    from asyncrl.inference.server.bench import prompts
+    from engine_vs_hf import prompts
 
     sampling = SamplingParams(max_new_tokens=size["gap_tokens"], temperature=1.0,
                               ignore_eos=True, seed=1)

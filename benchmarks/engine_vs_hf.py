@@ -1,6 +1,6 @@
 """Decode throughput of the local engine against HF `generate`, on the same prompts.
 
-    python -m asyncrl.inference.server.bench --model smollm2-135m-instruct --batch-sizes 1 32
+    python benchmarks/engine_vs_hf.py --model smollm2-135m-instruct --batch-sizes 1 32
 
 Every sequence generates exactly --new-tokens tokens (EOS ignored on both sides), so the
 two sides do the same work; tok/s counts generated tokens over wall time, prefill included.
