@@ -67,6 +67,8 @@ class RLWorker:
         from transformers import AutoTokenizer
 
         cfg = self.cfg
+        if self.actor is not None:  # initialised again (a controller that reconnects): free
+            self.destroy()  # the old engines, and the process group the old actor made
         if cfg.colocated and cfg.cluster.device == "cuda":
             # The GPU's other share is the colocated server's (rollout.gpu_memory_fraction):
             # past it this rank's allocator fails here rather than starve the server.

@@ -183,3 +183,19 @@ def test_with_an_api_key_every_call_but_health_needs_it(tiny_path, tmp_path):
         assert client._json_all("/destroy") == {"ok": True}
     finally:
         _stop(procs)
+
+
+def test_initialising_again_frees_the_old_engines_and_their_process_group(tiny_path, tmp_path):
+    """A second initialize (a controller reconnecting to a live rank) replaces the engines;
+    the process group goes with the worker's last destroy, as after one initialize."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "an earlier test left a process group"
+    worker = RLWorker(_config(tmp_path, tiny_path))
+    worker.initialize(total_steps=2)
+    first = worker.actor
+    worker.initialize(total_steps=2)
+    assert worker.actor is not first and first.model is None  # the old engine was freed
+    assert dist.is_initialized()
+    worker.destroy()
+    assert not dist.is_initialized()
