@@ -72,18 +72,7 @@ from shared_prefix import batch_arguments, quickstart_batch
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import MicroBatchSpec, TrainEngineSpec
 from asyncrl.trainer import FSDPTrainEngine
-from asyncrl.trainer import engine as engine_module
-from asyncrl.trainer.cpu import (
-    attention,
-    grad_ops,
-    heap,
-    linear,
-    logprob_head,
-    mlp,
-    norm,
-    precision,
-    rope,
-)
+from asyncrl.trainer.cpu.options import CpuPaths, set_cpu_paths
 from asyncrl.trainer.microbatch import to_device
 from asyncrl.trainer.prefix import pack_prefixes
 
@@ -254,13 +243,11 @@ def measure(args: argparse.Namespace, threads: int, shared: bool, fsdp: bool, ke
             contiguous: bool) -> dict[str, float]:
     """One configuration's mean phases, tokens and page faults per step, in this process."""
     torch.set_num_threads(threads)
-    engine_module.FSDP_ON_ONE_RANK = fsdp
-    logprob_head.USE_KERNELS = norm.USE_KERNELS = mlp.USE_KERNELS = kernels
-    grad_ops.USE_KERNELS = rope.USE_KERNELS = attention.MOVES_IN_C = kernels
-    heap.KEEP_FREED_MEMORY = keep
-    attention.USE_KERNELS = matmul_attention
-    precision.GRADS_TO_MASTER = sink
-    linear.USE_CONTIGUOUS = contiguous
+    set_cpu_paths(CpuPaths(
+        fsdp_on_one_rank=fsdp, logprob_kernels=kernels, norm_kernels=kernels,
+        mlp_kernels=kernels, grad_kernels=kernels, rope_kernels=kernels,
+        attention_moves_in_c=kernels, keep_freed_memory=keep, matmul_attention=matmul_attention,
+        grads_to_master=sink, contiguous_linear=contiguous))
     spec = TrainEngineSpec(path=args.model, dtype=args.dtype, shared_prefix=shared,
                            mb_spec=MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb),
                            device=args.device)

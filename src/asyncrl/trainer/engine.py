@@ -56,6 +56,7 @@ from asyncrl.trainer.cpu.optim import (
     make_lr_scheduler,
     make_optimizer,
 )
+from asyncrl.trainer.cpu.options import cpu_paths
 from asyncrl.trainer.cpu.precision import ComputeWeights
 from asyncrl.trainer.cpu.rope import use_fused_rope
 from asyncrl.trainer.dist import init_process_group, local_device
@@ -63,16 +64,6 @@ from asyncrl.trainer.microbatch import plan_micro_batches, to_device
 from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
-# FSDP2 also on one rank (tests compare the two paths; on one rank it only adds copies).
-FSDP_ON_ONE_RANK = False
-# Clip by the fused AdamW's gradient scale (it divides each gradient as it reads it) instead
-# of a pass multiplying every gradient first: ~50 ms of a quickstart-shaped step at one
-# thread, where most steps clip. Plain tensors only (FSDP's DTensors clip in place); off:
-# clip_grads_with_norm_, the same update up to a rounding of the scaled gradient.
-CLIP_IN_OPTIMIZER = True
-# The global gradient norm in one parallel pass in C (grad_ops.total_norm) where it applies
-# (plain fp32 CPU gradients); off: torch's get_total_norm, which rounds its sums otherwise.
-NORM_IN_C = True
 # On the CPU, the trie's node count and packed-row width rounded up to these multiples
 # (`trainer/prefix.py`): oneDNN builds a matmul primitive per shape it has not seen, ~3 ms
 # each, and every batch of a run has other sizes (~19 new shapes, 50-70 ms of each step);
@@ -291,7 +282,7 @@ class FSDPTrainEngine:
         self.device = local_device(self.spec.device)
         self._owns_process_group = init_process_group(self.spec.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.device.type == "cpu" and heap.KEEP_FREED_MEMORY:
+        if self.device.type == "cpu" and cpu_paths().keep_freed_memory:
             heap.keep_freed_memory()  # trainer/cpu/heap.py: no page faults for reused buffers
         torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
         path = resolve_model_path(self.spec.path)
@@ -336,7 +327,7 @@ class FSDPTrainEngine:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
     def _shard(self, model: nn.Module) -> None:
-        if self.world_size == 1 and not FSDP_ON_ONE_RANK:
+        if self.world_size == 1 and not cpu_paths().fsdp_on_one_rank:
             model.to(self.device)
             if self.device.type == "cpu":
                 _own_memory(model)
@@ -348,7 +339,7 @@ class FSDPTrainEngine:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
-        reshard = self.world_size > 1  # (FSDP_ON_ONE_RANK: keep the gathered layer)
+        reshard = self.world_size > 1  # (cpu_paths().fsdp_on_one_rank: keep the gathered layer)
         for layer in model.hf.get_decoder().layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -490,11 +481,11 @@ class FSDPTrainEngine:
     def _clip_gradients(self) -> float:
         """The global gradient norm (before clipping); clips to `gradient_clipping` if > 0:
         in place, or by the fused AdamW's gradient scale on the next `optimizer.step()`
-        (`CLIP_IN_OPTIMIZER`; the caller resets `optimizer.grad_scale` after it)."""
+        (`cpu_paths().clip_in_optimizer`; the caller resets `optimizer.grad_scale` after it)."""
         self.optimizer.grad_scale = None
         params = [p for p in self._require_model().parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        norm = grad_ops.total_norm(grads) if NORM_IN_C else None
+        norm = grad_ops.total_norm(grads) if cpu_paths().norm_in_c else None
         if norm is None:
             norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
@@ -503,7 +494,7 @@ class FSDPTrainEngine:
         total = float(norm)
         # Scaling by a coefficient of 1 would be a wasted pass over every gradient.
         if 0 < max_norm < total:
-            if (CLIP_IN_OPTIMIZER and self.optimizer.defaults.get("fused")
+            if (cpu_paths().clip_in_optimizer and self.optimizer.defaults.get("fused")
                     and not any(isinstance(p, DTensor) for p in params)):
                 # the inverse of clip_grads_with_norm_'s coefficient max_norm / (norm + 1e-6)
                 self.optimizer.grad_scale = (norm.detach().float() + 1e-6) / max_norm

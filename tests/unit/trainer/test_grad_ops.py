@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from asyncrl.trainer.cpu import grad_ops, linear
+from asyncrl.trainer.cpu.options import set_cpu_paths, use_cpu_paths
 
 needs_kernels = pytest.mark.skipif(grad_ops._kernels() is None, reason="no C compiler")
 
@@ -27,7 +28,7 @@ def test_widened_add_equals_torchs_fp32_add(monkeypatch):
     part = (torch.randn(3, 100_003, generator=gen) * 1e-3).to(torch.bfloat16)
     expected = total + part.float()
     for kernels in (True, False):
-        monkeypatch.setattr(grad_ops, "USE_KERNELS", kernels)
+        set_cpu_paths(grad_kernels=kernels)
         out = total.clone()
         grad_ops.add_widened(out, part)
         assert torch.equal(out, expected), kernels
@@ -77,16 +78,13 @@ def test_total_norm_equals_float64_over_tensors_of_any_size():
 
 
 def linear_grads(module, x, use):
-    linear.USE_CONTIGUOUS = use
-    try:
+    with use_cpu_paths(contiguous_linear=use):
         x = x.detach().requires_grad_()
         module.zero_grad(set_to_none=True)
         y = module(x)
         assert (y.grad_fn.name() == "_LinearBackward") == (use and x.dtype == torch.bfloat16)
         (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
         return y, x.grad, module.weight.grad, module.bias.grad
-    finally:
-        linear.USE_CONTIGUOUS = True
 
 
 @pytest.mark.parametrize("seed", [0, 1])

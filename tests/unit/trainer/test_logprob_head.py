@@ -7,6 +7,7 @@ import torch
 
 from asyncrl.trainer.cpu import logprob_head
 from asyncrl.trainer.cpu.logprob_head import reference_logprobs, token_logprobs
+from asyncrl.trainer.cpu.options import set_cpu_paths
 
 N, H, V = 11, 16, 50
 
@@ -148,7 +149,7 @@ def test_bf16_kernels_match_the_torch_path(monkeypatch, chunk, budget, temperatu
     hidden, weight, tokens, upstream = inputs(torch.bfloat16, seed=3)
     results, real = {}, logprob_head._kernels
     for use in (False, True):
-        monkeypatch.setattr(logprob_head, "USE_KERNELS", use)
+        set_cpu_paths(logprob_kernels=use)
         calls: list[int] = []
 
         def counted(calls=calls):
@@ -189,7 +190,7 @@ def test_a_freed_template_buffer_serves_the_next_call_and_no_two_at_once(monkeyp
                                                                          use_kernels):
     if use_kernels and logprob_head._kernels() is None:
         pytest.skip("no C compiler: the torch path is used")
-    monkeypatch.setattr(logprob_head, "USE_KERNELS", use_kernels)
+    set_cpu_paths(logprob_kernels=use_kernels)
     monkeypatch.setattr(logprob_head, "ROW_MULTIPLE", 1)  # buffers of exactly N rows
     spare = logprob_head._Spare()
     monkeypatch.setattr(logprob_head, "_spare", spare)
@@ -201,10 +202,10 @@ def test_a_freed_template_buffer_serves_the_next_call_and_no_two_at_once(monkeyp
         return token_logprobs(hidden, weight, tokens, 0.7)[0]
 
     # Each call on its own, with a fresh buffer every time: the numbers to match.
-    monkeypatch.setattr(logprob_head, "KEEP_SPARE", False)
+    set_cpu_paths(keep_spare_templates=False)
     alone = [run_backward(call(a), a[3], a[0], a[1]) for a in (first, second)]
     assert spare._buffer is None
-    monkeypatch.setattr(logprob_head, "KEEP_SPARE", True)
+    set_cpu_paths(keep_spare_templates=True)
     assert torch.equal(run_backward(call(first), first[3], first[0], first[1])[0], alone[0][0])
     spare._buffer[:N * V].fill_(7.0)  # stale values must not leak into a result
     kept = spare._buffer.data_ptr()
@@ -246,7 +247,7 @@ def test_a_forward_without_gradient_computes_its_logits_in_the_kept_buffer(monke
     spare._buffer.fill_(-3.0)
     with torch.no_grad():
         ours = token_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
-        monkeypatch.setattr(logprob_head, "KEEP_SPARE", False)
+        set_cpu_paths(keep_spare_templates=False)
         fresh = token_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
     assert spare._buffer.data_ptr() == kept
     for a, b in zip(ours, fresh):

@@ -6,6 +6,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from asyncrl.trainer.cpu import mlp
+from asyncrl.trainer.cpu.options import use_cpu_paths
 
 needs_kernels = pytest.mark.skipif(mlp._kernels() is None, reason="no C compiler")
 
@@ -17,15 +18,12 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def run(module, x, fused):
-    mlp.USE_KERNELS = fused
-    try:
+    with use_cpu_paths(mlp_kernels=fused):
         x = x.detach().requires_grad_()
         module.zero_grad(set_to_none=True)
         y = module(x)
         (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
         return y, x.grad, module.gate_proj.weight.grad, module.up_proj.weight.grad
-    finally:
-        mlp.USE_KERNELS = True
 
 
 @needs_kernels

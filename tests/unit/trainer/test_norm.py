@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer.cpu import norm
 from asyncrl.trainer.cpu.norm import rms_norm, use_fused_norms
+from asyncrl.trainer.cpu.options import set_cpu_paths
 
 pytestmark = pytest.mark.skipif(norm._kernels() is None,
                                 reason="no C compiler: HF's norm is used")
@@ -73,7 +74,7 @@ def test_a_models_norms_use_it_and_its_step_matches_hfs(tmp_path, monkeypatch):
                         generator=torch.Generator().manual_seed(2))
     losses, grads = [], []
     for fused in (False, True):
-        monkeypatch.setattr(norm, "USE_KERNELS", fused)
+        set_cpu_paths(norm_kernels=fused)
         calls = []
         real = norm._RMSNorm.apply
         monkeypatch.setattr(norm._RMSNorm, "apply",

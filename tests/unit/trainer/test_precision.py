@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from asyncrl.trainer.cpu import precision
+from asyncrl.trainer.cpu.options import set_cpu_paths
 from asyncrl.trainer.cpu.precision import ComputeWeights
 
 
@@ -43,9 +44,9 @@ def test_embedding_without_a_sink_is_left_to_the_module(monkeypatch):
     with copies.active():
         with torch.no_grad():
             assert precision.embedding(module, ids) is None
-        monkeypatch.setattr(precision, "GRADS_TO_MASTER", False)
+        set_cpu_paths(grads_to_master=False)
         assert precision.embedding(module, ids) is None
-        monkeypatch.setattr(precision, "GRADS_TO_MASTER", True)
+        set_cpu_paths(grads_to_master=True)
         scaled = nn.Embedding(10, 4, max_norm=1.0)
         assert precision.embedding(scaled, ids) is None  # max_norm renormalises: not ours
 

@@ -14,8 +14,9 @@ from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer import FSDPTrainEngine, split_across_ranks, split_by_token_budget
 from asyncrl.trainer import engine as engine_module
-from asyncrl.trainer.cpu import logprob_head, optim, precision
+from asyncrl.trainer.cpu import logprob_head, optim
 from asyncrl.trainer.cpu.optim import lr_factor
+from asyncrl.trainer.cpu.options import set_cpu_paths
 from asyncrl.trainer.dist import free_port
 from asyncrl.trainer.updates import merge_update_stats, split_minibatches, train_epochs
 
@@ -246,13 +247,13 @@ def test_one_rank_bf16_without_fsdp_equals_fsdp_bit_for_bit(tiny_path, monkeypat
     # and the AdamW in C that writes the copies, its FMAs rounding apart from torch's,
     # test_copying_adamw_in_the_engine...)
     monkeypatch.setattr(logprob_head, "LOGIT_CHUNK_ELEMENTS", 3 * 320)
-    monkeypatch.setattr(precision, "GRADS_TO_MASTER", False)
-    monkeypatch.setattr(engine_module, "CLIP_IN_OPTIMIZER", False)
-    monkeypatch.setattr(engine_module, "NORM_IN_C", False)  # its sums round otherwise
-    monkeypatch.setattr(optim, "WRITE_COPIES_IN_STEP", False)
+    set_cpu_paths(grads_to_master=False)
+    set_cpu_paths(clip_in_optimizer=False)
+    set_cpu_paths(norm_in_c=False)  # its sums round otherwise
+    set_cpu_paths(write_copies_in_step=False)
     results = []
     for fsdp in (True, False):
-        monkeypatch.setattr(engine_module, "FSDP_ON_ONE_RANK", fsdp)
+        set_cpu_paths(fsdp_on_one_rank=fsdp)
         engine = make_engine(tiny_path, dtype="bfloat16", mb_spec=MicroBatchSpec(
             max_tokens_per_mb=12), optimizer=OptimizerConfig(lr=1e-2), **overrides)
         assert (engine._compute_weights is None) == fsdp
@@ -286,7 +287,7 @@ def test_tied_embedding_gradient_sink_changes_only_its_roundings(tiny_path, monk
     monkeypatch.setattr(logprob_head, "SAVED_TEMPLATE_BYTES", kept_bytes)
     grads = []
     for sink in (False, True):
-        monkeypatch.setattr(precision, "GRADS_TO_MASTER", sink)
+        set_cpu_paths(grads_to_master=sink)
         engine = make_engine(tiny_path, dtype="bfloat16", mb_spec=MicroBatchSpec(
             max_tokens_per_mb=12), **overrides)
         assert engine._compute_weights is not None
@@ -474,7 +475,7 @@ def test_clipping_by_the_fused_optimizers_scale_equals_clipping_the_gradients(ti
     # applied twice fails), and no scale is left behind for a later step.
     moments, norms = [], []
     for clip, in_optimizer in ((0.0, True), (1e-3, False), (1e-3, True)):
-        monkeypatch.setattr(engine_module, "CLIP_IN_OPTIMIZER", in_optimizer)
+        set_cpu_paths(clip_in_optimizer=in_optimizer)
         engine = make_engine(tiny_path, dtype=dtype,
                              optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=clip))
         norms.append(engine.train_batch(make_batch(seed=0), nll_loss)["grad_norm"])
@@ -498,7 +499,7 @@ def test_copying_adamw_in_the_engine_keeps_the_copies_fresh_and_trains_as_torchs
     # Adam's normalised update turns the gradients' tiny differences into steps of lr.)
     runs = []
     for in_step in (True, False):
-        monkeypatch.setattr(optim, "WRITE_COPIES_IN_STEP", in_step)
+        set_cpu_paths(write_copies_in_step=in_step)
         engine = make_engine(tiny_path, dtype="bfloat16",
                              optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1))
         assert isinstance(engine.optimizer, optim.CopyingAdamW) == in_step

@@ -21,7 +21,7 @@ On that path q, k and v go to the rows, and the output back to the nodes, in C a
 (`_ToRows`, `_RowsToNodes`): one pass per tensor each way, into rows laid out as the matmuls
 read them. torch's moves (a zero fill, an index_copy and a transposing copy per tensor, the
 same backward) were ~0.15 s of a quickstart-shaped step at one thread; A/B in separate
-processes, alternated: step 4.13-4.45 vs 4.37-4.53 s (`MOVES_IN_C`).
+processes, alternated: step 4.13-4.45 vs 4.37-4.53 s (`cpu_paths().attention_moves_in_c`).
 """
 
 from __future__ import annotations
@@ -34,13 +34,9 @@ import torch
 from torch import nn
 
 from asyncrl import kernels
+from asyncrl.trainer.cpu.options import cpu_paths
 
 NAME = "asyncrl_trie"
-# The matmul path where it applies (tests and benchmarks switch it off to run SDPA's flash).
-USE_KERNELS = True
-# On the matmul path, q, k, v and the output moved between nodes and rows in C (off: torch's
-# index_copy and index_select around transposing copies; the same numbers).
-MOVES_IN_C = True
 # The most bytes of bf16 probabilities [R, H, L, L] one layer may keep for backward on the
 # matmul path (the quickstart's rows: ~3.5 MB); larger packs take flash, which keeps none.
 MATMUL_ATTENTION_BYTES = 32 << 20
@@ -59,7 +55,7 @@ def _kernels() -> ctypes.CDLL | None:
 def _matmul_path(q: torch.Tensor, mask: torch.Tensor, rows: int, width: int) -> bool:
     """Whether queries q [1, H, N, D] on the nodes take the matmul path on [R, L] rows."""
     heads = q.shape[1]
-    return (USE_KERNELS and q.device.type == "cpu" and q.dtype == torch.bfloat16
+    return (cpu_paths().matmul_attention and q.device.type == "cpu" and q.dtype == torch.bfloat16
             and mask.dtype == torch.bool and mask.shape[1] == 1
             and 2 * rows * heads * width * width <= MATMUL_ATTENTION_BYTES
             and _kernels() is not None)
@@ -119,7 +115,7 @@ def trie_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     rows, width = attention_mask.shape[0], attention_mask.shape[-1]
     scale = kwargs.get("scaling")
     matmul = _matmul_path(query, attention_mask, rows, width)
-    if matmul and MOVES_IN_C:
+    if matmul and cpu_paths().attention_moves_in_c:
         slots = trie_slots.to(torch.long).contiguous()
         node_of = torch.full((rows * width,), -1, dtype=torch.long).index_copy_(
             0, slots, torch.arange(len(slots)))

@@ -11,9 +11,8 @@ import functools
 import torch
 
 from asyncrl import kernels
+from asyncrl.trainer.cpu.options import cpu_paths
 
-# The C kernels where they apply (tests switch them off to run the torch path).
-USE_KERNELS = True
 WIDEN_CHUNK = 1 << 16  # elements of the torch fallback's widened chunk: 256 KiB of fp32
 TRANSPOSED_ROWS = 8192  # rows of x^T per chunk in `t_matmul` (the head's: 8192 x tokens)
 
@@ -30,7 +29,8 @@ def _kernels() -> ctypes.CDLL | None:
 
 
 def _on_cpu(*tensors: torch.Tensor) -> bool:
-    return USE_KERNELS and all(t.device.type == "cpu" for t in tensors) and _kernels() is not None
+    return (cpu_paths().grad_kernels and all(t.device.type == "cpu" for t in tensors)
+            and _kernels() is not None)
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,6 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 
-KEEP_FREED_MEMORY = True  # FSDPTrainEngine.initialize on the CPU (off: the benchmark's A/B)
-
 
 def keep_freed_memory() -> bool:
     """Serve blocks up to 32 MiB from the heap and never trim it; True if glibc took both."""

@@ -22,9 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from asyncrl.trainer.cpu.grad_ops import transposed
-
-# Where it applies (tests and benchmarks switch it off to run autograd's linear).
-USE_CONTIGUOUS = True
+from asyncrl.trainer.cpu.options import cpu_paths
 
 
 class _Linear(torch.autograd.Function):
@@ -51,7 +49,7 @@ class _Linear(torch.autograd.Function):
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = module.weight
-    if (USE_CONTIGUOUS and torch.is_grad_enabled() and x.device.type == "cpu"
+    if (cpu_paths().contiguous_linear and torch.is_grad_enabled() and x.device.type == "cpu"
             and x.dtype == weight.dtype == torch.bfloat16):
         return _Linear.apply(x, weight, module.bias)
     return F.linear(x, weight, module.bias)

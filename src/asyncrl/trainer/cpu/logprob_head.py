@@ -38,14 +38,13 @@ import torch
 from asyncrl import kernels
 from asyncrl.trainer.cpu import precision
 from asyncrl.trainer.cpu.grad_ops import t_matmul
+from asyncrl.trainer.cpu.options import cpu_paths
 
 # Floats of one chunk of fp32 logits (128 MiB): bounds the memory of the projection.
 LOGIT_CHUNK_ELEMENTS = 2**25
 # Gradient templates kept from forward to backward, over all chunks of one call (256 MiB:
 # ~2.7k tokens at a 49k vocabulary in bf16); chunks past it recompute in backward.
 SAVED_TEMPLATE_BYTES = 2**28
-# A freed CPU buffer of templates kept for the next call (off: a fresh one per call; A/B).
-KEEP_SPARE = True
 # On the CPU in bf16, the rows rounded up to a multiple of this with zero rows whose results
 # are dropped (their gradient is zero): oneDNN builds a matmul primitive per shape it has
 # not seen (~3 ms each), and the loss-token count differs from step to step (4 new shapes,
@@ -98,7 +97,7 @@ class _Spare:
         new high replaced the whole buffer, every page faulted anew: ~85 MB at the
         quickstart's ~870 loss tokens, 0.4-0.6 s of that step on a fresh virtual machine."""
         need = rows * vocab
-        if KEEP_SPARE and like.device.type == "cpu" and rows:
+        if cpu_paths().keep_spare_templates and like.device.type == "cpu" and rows:
             with self._lock:
                 spare = self._buffer
                 if spare is not None and spare.dtype == dtype and spare.numel() >= need:
@@ -110,7 +109,8 @@ class _Spare:
 
     def give(self, templates: torch.Tensor) -> None:
         """Keep the storage under `templates` (no longer used) if it is the larger one."""
-        if not (KEEP_SPARE and templates.device.type == "cpu" and templates.numel()):
+        if not (cpu_paths().keep_spare_templates and templates.device.type == "cpu"
+                and templates.numel()):
             return
         base = templates if templates._base is None else templates._base
         flat = base.view(-1)
@@ -126,8 +126,6 @@ def chunk_rows(vocab: int) -> int:
     return max(1, LOGIT_CHUNK_ELEMENTS // vocab)
 
 
-# The C kernels where they apply (tests switch them off to run the torch path).
-USE_KERNELS = True
 
 
 @functools.cache
@@ -138,8 +136,9 @@ def _kernels() -> ctypes.CDLL | None:
 
 
 def _use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (USE_KERNELS and hidden.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and hidden.dtype == torch.bfloat16 and _kernels() is not None)
+    return (cpu_paths().logprob_kernels and hidden.device.type == "cpu"
+            and weight.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16
+            and _kernels() is not None)
 
 
 def _chunk_forward_c(h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor,

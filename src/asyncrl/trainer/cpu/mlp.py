@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from asyncrl import kernels
+from asyncrl.trainer.cpu.options import cpu_paths
 
-# The C kernel where it applies (tests and benchmarks switch it off to run HF's forward).
-USE_KERNELS = True
 # The HF MLP classes whose forward is exactly down(act(gate(x)) * up(x)), and the
 # activation classes that are silu (torch's, and transformers' own wrapper of F.silu).
 FUSED_MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
@@ -57,9 +56,9 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up fused, or None where it does not apply (the caller runs torch's)."""
-    if not (USE_KERNELS and gate.dtype == up.dtype == torch.bfloat16 and gate.device.type
-            == up.device.type == "cpu" and gate.shape == up.shape and gate.is_contiguous()
-            and up.is_contiguous() and _kernels() is not None):
+    if not (cpu_paths().mlp_kernels and gate.dtype == up.dtype == torch.bfloat16
+            and gate.device.type == up.device.type == "cpu" and gate.shape == up.shape
+            and gate.is_contiguous() and up.is_contiguous() and _kernels() is not None):
         return None
     return _SwiGLU.apply(gate, up)
 

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from asyncrl import kernels
+from asyncrl.trainer.cpu.options import cpu_paths
 
-# The C kernel where it applies (tests and benchmarks switch it off to run HF's forward).
-USE_KERNELS = True
 # The HF norm classes whose forward is exactly Llama's (weight * normed, no offset).
 FUSED_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
                                 "MistralRMSNorm"})
@@ -62,7 +61,8 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """The fused norm of `x`, or None where it does not apply (the caller runs HF's)."""
-    if not (USE_KERNELS and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+    if not (cpu_paths().norm_kernels and x.dtype == weight.dtype == torch.bfloat16
+            and x.device.type == "cpu"
             and weight.device.type == "cpu" and weight.dim() == 1
             and weight.shape[0] == x.shape[-1] and _kernels() is not None):
         return None

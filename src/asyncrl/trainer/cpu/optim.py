@@ -20,10 +20,7 @@ import torch
 from asyncrl import kernels
 from asyncrl.api import cores
 from asyncrl.config.schema import OptimizerConfig
-
-# CopyingAdamW where it applies (tests and benchmarks switch it off: torch's fused AdamW and
-# a cast of the copies at the next forward, the numbers of FSDP2 bit for bit).
-WRITE_COPIES_IN_STEP = True
+from asyncrl.trainer.cpu.options import cpu_paths
 
 
 @functools.cache
@@ -42,7 +39,7 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig,
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
               "weight_decay": cfg.weight_decay, "fused": True}
     params = list(params)
-    if (copies is not None and WRITE_COPIES_IN_STEP and _kernels() is not None
+    if (copies is not None and cpu_paths().write_copies_in_step and _kernels() is not None
             and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
             and all(c.dtype == torch.bfloat16 for c in copies.values())):
         return CopyingAdamW(params, copies, **kwargs)

@@ -20,7 +20,7 @@ drops the `.grad` references only, so the next step writes the same memory inste
 taking fresh pages (the tied embedding's alone is 113 MB, past glibc's heap threshold:
 `trainer/cpu/heap.py`).
 
-The tied embedding takes a shorter way (`GradSink`, when `GRADS_TO_MASTER`): the log-prob
+The tied embedding takes a shorter way (`GradSink`, when `grads_to_master`): the log-prob
 head adds its weight gradient into the master's fp32 gradient itself, through one kept
 bf16 scratch, and the input embedding's backward adds its rows there with `index_add_`
 (`embedding`). Through autograd each micro-batch had built the head's gradient in fp32,
@@ -44,10 +44,7 @@ from torch.nn import functional as F
 
 from asyncrl.api import cores
 from asyncrl.trainer.cpu.grad_ops import add_widened, t_matmul
-
-# Gradients of the tied embedding straight into the fp32 master (off: through autograd, the
-# numbers of FSDP2 bit for bit; tests and the benchmark's A/B switch it).
-GRADS_TO_MASTER = True
+from asyncrl.trainer.cpu.options import cpu_paths
 
 
 class GradSink:
@@ -72,7 +69,7 @@ class GradSink:
 
 def grad_sink(param: torch.Tensor) -> GradSink | None:
     """The sink of a compute copy whose gradient may skip autograd, else None."""
-    return getattr(param, "_asyncrl_grad_sink", None) if GRADS_TO_MASTER else None
+    return getattr(param, "_asyncrl_grad_sink", None) if cpu_paths().grads_to_master else None
 
 
 class _EmbeddingToSink(torch.autograd.Function):

@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 from asyncrl import kernels
+from asyncrl.trainer.cpu.options import cpu_paths
 
-# The C kernel where it applies (tests and benchmarks switch it off to run HF's function).
-USE_KERNELS = True
 # HF modeling modules whose `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)` is the
 # rotate-half form above.
 FUSED_MODULES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -65,7 +64,8 @@ class _Rope(torch.autograd.Function):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x [B, H, N, D] rotated by cos and sin [B, N, D], or None where the kernel does not
     apply (the caller runs HF's)."""
-    if not (USE_KERNELS and x.dim() == 4 and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+    if not (cpu_paths().rope_kernels and x.dim() == 4
+            and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
             and x.device.type == cos.device.type == sin.device.type == "cpu"
             and cos.shape == sin.shape == (x.shape[0], x.shape[2], x.shape[3])
             and x.shape[3] % 2 == 0 and x.stride(-1) == 1
