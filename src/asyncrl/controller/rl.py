@@ -85,18 +85,22 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         try:
             return trainer.train()
         except (RolloutError, TrainingServiceError):
-            _raise_if_dead(scheduler)  # a dead process explains it best, with its log's tail
+            # a dead process explains it best, with its log's tail
+            _raise_if_dead(scheduler, trainer.inference_log_starts)
             raise
         finally:
             trainer.close()
 
 
-def _raise_if_dead(scheduler: Scheduler) -> None:
+def _raise_if_dead(scheduler: Scheduler, inference_log_starts: dict[int, int]) -> None:
+    """SchedulerError for the first worker that is down, with the first error of its present
+    life (a restarted server's log holds its earlier lives too: `inference_log_starts`)."""
     for role in ROLES:
         workers = scheduler.get_workers(role)
         for worker, ok in zip(workers, scheduler.check_health(role) if workers else []):
             if not ok:
-                cause = cause_line(worker.log_path)
+                start = inference_log_starts.get(worker.index, 0) if role == "inference" else 0
+                cause = cause_line(worker.log_path, start)
                 raise SchedulerError(f"{role} {worker.index} ({worker.address}) is down"
                                      + (f": {cause}" if cause else "") + "; the end of "
                                      f"{worker.log_path}:\n{log_tail(worker.log_path)}")
@@ -120,7 +124,7 @@ class RLTrainer:
         # server index -> the error that ended its last life, and where its log's part for
         # the present life begins (restarts append to the same file)
         self._death_causes: dict[int, str | None] = {}
-        self._log_starts: dict[int, int] = {}
+        self.inference_log_starts: dict[int, int] = {}
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
         self.routed = router is not None  # a router service routes for every client
         self.timeline = Timeline(paths.root / "timeline.jsonl")
@@ -390,7 +394,7 @@ class RLTrainer:
                                checks, f"{checks} health checks"),
                            self._death_causes[idx] or "no error in its log")
             restarted += 1
-            self._log_starts[idx] = log_size(
+            self.inference_log_starts[idx] = log_size(
                 self.scheduler.get_workers("inference")[idx].log_path)
             worker = self.scheduler.restart_worker("inference", idx)
             if worker.address != self.engine.addresses[idx]:
@@ -408,7 +412,7 @@ class RLTrainer:
         fails the same way on every start (a backend bug, a bad flag, a model it cannot
         load) stops the run with its cause instead of being restarted for ever."""
         worker = self.scheduler.get_workers("inference")[idx]
-        cause = cause_line(worker.log_path, self._log_starts.get(idx, 0))
+        cause = cause_line(worker.log_path, self.inference_log_starts.get(idx, 0))
         if cause is not None and cause == self._death_causes.get(idx):
             raise WorkerDiedError(
                 f"inference server {idx} ({worker.address}, backend {self.cfg.rollout.backend}) "

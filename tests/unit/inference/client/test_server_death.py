@@ -66,7 +66,7 @@ def _trainer(scheduler) -> RLTrainer:
     trainer = object.__new__(RLTrainer)
     trainer.scheduler, trainer.server_restarts = scheduler, 0
     trainer.cfg = SimpleNamespace(rollout=SimpleNamespace(backend="vllm"))
-    trainer._failed_checks, trainer._death_causes, trainer._log_starts = {}, {}, {}
+    trainer._failed_checks, trainer._death_causes, trainer.inference_log_starts = {}, {}, {}
     trainer.engine = SimpleNamespace(addresses=[scheduler.worker.address],
                                      check_servers=lambda: asyncio.sleep(0))
     trainer.rollout = SimpleNamespace(run_coroutine=asyncio.run)
@@ -159,3 +159,18 @@ def test_a_500_from_a_healthy_server_is_the_request_s_error():
     assert all(isinstance(r, ServerStatusError) and r.status == 500 for r in results)
     assert client.down_servers == {}
     asyncio.run(client.close())
+
+
+def test_a_run_that_stops_on_a_dead_server_names_the_error_of_its_present_life(tmp_path):
+    from asyncrl.controller.rl import _raise_if_dead
+    from asyncrl.launch.base import SchedulerError
+
+    log = tmp_path / "inference-0.log"
+    log.write_text(VLLM_DEATH)
+    scheduler = _Scheduler(log)
+    scheduler.get_workers = lambda role: [scheduler.worker] if role == "inference" else []
+    trainer = _trainer(scheduler)
+    scheduler.next_death = "MemoryError: out of memory\n"
+    trainer._restart_dead_servers(checks=1)  # its second life ends with another error
+    with pytest.raises(SchedulerError, match="is down: MemoryError: out of memory;"):
+        _raise_if_dead(scheduler, trainer.inference_log_starts)
