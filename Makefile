@@ -12,10 +12,10 @@ PYTHON ?= python3
 GPU ?=
 ifeq ($(GPU),vllm)
 TORCH := vllm==0.32.0
-EXTRAS ?= test,docs,agents,ray,track
+EXTRAS ?= test,docs,lora,agents,ray,track
 else ifeq ($(GPU),sglang)
 TORCH := sglang==0.5.23
-EXTRAS ?= test,docs,ray,track
+EXTRAS ?= test,docs,lora,ray,track
 else ifneq ($(GPU),)
 $(error GPU=$(GPU): use GPU=vllm, GPU=sglang, or leave GPU unset for the CPU build)
 endif
@@ -26,7 +26,8 @@ TORCH ?= torch==2.13.0
 # `agents`: the agent examples' libraries (OpenAI Agents SDK, mini-swe-agent, bm25s).
 # `ray`: the Ray scheduler. `track`: the W&B and SwanLab loggers (their offline tests).
 # `docs`: MkDocs Material, which builds the documentation site in `make test`.
-EXTRAS ?= test,docs,vllm,agents,ray,track
+# `lora`: PEFT, for actor.use_lora (its tests run in `make test`).
+EXTRAS ?= test,docs,lora,vllm,agents,ray,track
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -7,7 +7,7 @@ Each key is documented where it is declared; docs/guides/algorithms.md has the f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from asyncrl.config.engine import MicroBatchSpec, OptimizerConfig, _check
 
@@ -71,6 +71,27 @@ class RejectionSamplingConfig:
                f"{name}.lower must be in [0, 1) or null, got {self.lower}")
 
 
+def _check_lora_keys(section: Any, name: str) -> None:
+    """Raise naming `<name>.<key>` if a LoRA key of `section` is out of range."""
+    _check(section.peft_type == "lora",
+           f"{name}.peft_type must be 'lora' (the only PEFT method supported), got "
+           f"{section.peft_type!r}")
+    _check(section.lora_rank >= 1, f"{name}.lora_rank must be >= 1, got {section.lora_rank}")
+    _check(section.lora_alpha > 0, f"{name}.lora_alpha must be > 0, got {section.lora_alpha}")
+    modules = section.target_modules
+    _check(isinstance(modules, (list, tuple)) and len(modules) > 0
+           and all(isinstance(m, str) and m for m in modules),
+           f"{name}.target_modules must be a non-empty list of module names (e.g. [q_proj, "
+           f"v_proj]) or [all-linear], got {modules!r}")
+    _check(not ("all-linear" in modules and len(modules) > 1),
+           f"{name}.target_modules={list(modules)}: 'all-linear' already names every linear "
+           "layer; give it alone or list the names")
+    _check(not (section.use_lora and section.init_from_scratch),
+           f"{name}.use_lora=true adapts a pretrained base, but {name}.init_from_scratch=true "
+           "would train adapters on random weights the servers do not hold; set one of them "
+           "to false")
+
+
 @dataclass(kw_only=True)
 class ActorConfig:
     path: str = "smollm2-135m-instruct"  # HF folder, HF hub id, or a named small model
@@ -82,6 +103,18 @@ class ActorConfig:
     # Recompute activations in the backward pass instead of keeping them (HF gradient
     # checkpointing, non-reentrant): less memory, more compute.
     gradient_checkpointing: bool = False
+    # LoRA (AReaL's keys): train low-rank adapters W + (lora_alpha / lora_rank) B A on the
+    # target_modules' weights (PEFT, trainer/lora.py) with the base frozen; each publish
+    # and saved HF folder carries the adapters alone (the servers merge them into their
+    # base, `asyncrl export-merged` writes a merged model), and the KL reference is the base
+    # (the adapters switched off), not a second copy. Needs `pip install 'asyncrl[lora]'`.
+    use_lora: bool = False
+    lora_rank: int = 32  # r, the adapters' inner dimension
+    lora_alpha: int = 16  # the adapters' output is scaled by lora_alpha / lora_rank
+    # Module names to adapt (PEFT's target_modules: names such as q_proj, v_proj, or
+    # "all-linear": every linear layer of the decoder, not the output projection).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    peft_type: str = "lora"  # the PEFT method; only "lora" is supported
     # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
     # once per micro-batch, as a token trie with exact gradients (trainer/prefix.py); the
     # reference and teacher log-probs follow this switch.
@@ -190,6 +223,7 @@ class ActorConfig:
         _check(not (self.use_decoupled_loss and not self.recompute_logprob),
                "actor.use_decoupled_loss=true needs actor.recompute_logprob=true (the proximal "
                "log-probs are the trainer's recomputation); set one of them accordingly")
+        _check_lora_keys(self, "actor")
         self._check_algorithm_keys()
 
     def _check_algorithm_keys(self) -> None:

@@ -75,6 +75,12 @@ class TrainEngineSpec:
     # micro-batch goes through the model as a token trie (trainer/prefix.py). Exact
     # gradients; needs sdpa attention and full-attention layers.
     shared_prefix: bool = False
+    # LoRA adapters on the target modules, the base frozen (the actor's keys; trainer/lora.py).
+    use_lora: bool = False
+    lora_rank: int = 32
+    lora_alpha: int = 16
+    target_modules: tuple[str, ...] = ("all-linear",)
+    peft_type: str = "lora"
     # Where the rank computes. Not a key of any section: the trainer that builds the spec
     # sets it from cluster.n_gpus_per_node (`ClusterConfig.device`), never from the host.
     device: Literal["cpu", "cuda"] = "cpu"
@@ -83,4 +89,5 @@ class TrainEngineSpec:
     def of(cls, section: Any, **overrides: Any) -> TrainEngineSpec:
         """The spec of a config section: the keys it has, defaults for the others."""
         keys = {f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)}
+        keys = {k: tuple(v) if isinstance(v, list) else v for k, v in keys.items()}
         return cls(**(keys | overrides))

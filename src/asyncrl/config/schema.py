@@ -513,6 +513,7 @@ class ExperimentConfig:
                "machine; set cluster.n_nodes=1 or scheduler.type=ray|slurm")
         self._resolve_allocation()
         self._check_weight_update()
+        self._check_lora()
         _check(self.scheduler.trainer != "inline" or
                (self.trainer_world_size == 1 and self.scheduler.type == "local"),
                f"scheduler.trainer=inline runs one trainer rank in this process under the local "
@@ -670,6 +671,19 @@ class ExperimentConfig:
         _check(self.scheduler.router != "service" and self.scheduler.weight_update != "service",
                f"{key} runs from the controller's own client: set scheduler.router and "
                "scheduler.weight_update to inline or auto")
+
+    def _check_lora(self) -> None:
+        """What actor.use_lora needs of the servers: adapters arrive by disk at our engine."""
+        if not self.actor.use_lora:
+            return
+        _check(self.actor.weight_update_mode == "disk",
+               f"actor.use_lora=true publishes the adapters alone, as a folder each server "
+               f"merges into its base; actor.weight_update_mode={self.actor.weight_update_mode} "
+               "sends full weights. Set actor.weight_update_mode=disk")
+        _check(self.rollout.backend == "local",
+               f"actor.use_lora=true: the {self.rollout.backend} backend does not load "
+               "adapter versions here yet; set rollout.backend=local (and allocation_mode's "
+               "backend to local)")
 
     @property
     def trainer_world_size(self) -> int:

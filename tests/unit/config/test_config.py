@@ -162,3 +162,32 @@ def test_leave_one_out_with_one_sample_per_prompt_is_explained(base_yaml):
 def test_actor_max_new_tokens_must_agree_with_gconfig(base_yaml):
     with pytest.raises(ConfigError, match="actor.max_new_tokens=32 but gconfig.max_new_tokens=256"):
         load_config(base_yaml, ["actor.max_new_tokens=32"])
+
+
+def test_lora_keys_load_into_the_actor_and_its_engine_spec(base_yaml):
+    from asyncrl.config.engine import TrainEngineSpec
+
+    cfg = load_config(base_yaml, ["actor.use_lora=true", "actor.lora_rank=8",
+                                  "actor.lora_alpha=32", "actor.target_modules=[q_proj,v_proj]"])
+    spec = TrainEngineSpec.of(cfg.actor)
+    assert (spec.use_lora, spec.lora_rank, spec.lora_alpha) == (True, 8, 32)
+    assert spec.target_modules == ("q_proj", "v_proj") and spec.peft_type == "lora"
+    assert load_config(base_yaml).actor.target_modules == ["all-linear"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.peft_type=ia3"], r"actor.peft_type must be 'lora'.*got 'ia3'"),
+    (["actor.lora_rank=0"], r"actor.lora_rank must be >= 1"),
+    (["actor.lora_alpha=0"], r"actor.lora_alpha must be > 0"),
+    (["actor.target_modules=[]"], r"actor.target_modules must be a non-empty list"),
+    (["actor.target_modules=[all-linear,q_proj]"], r"'all-linear' already names"),
+    (["actor.use_lora=true", "actor.init_from_scratch=true"],
+     r"init_from_scratch=true would train adapters on random weights"),
+    (["actor.use_lora=true", "actor.weight_update_mode=broadcast"],
+     r"actor.use_lora=true publishes the adapters alone.*weight_update_mode=disk"),
+    (["actor.use_lora=true", "rollout.backend=vllm"],
+     r"the vllm backend does not load adapter versions here yet; set rollout.backend=local"),
+])
+def test_bad_lora_options_name_the_key(base_yaml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(base_yaml, overrides)
