@@ -1,4 +1,4 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart | ps | logs | stop`."""
+"""`asyncrl train | sft | dpo | rm | serve | quickstart | export-merged | ps | logs | stop`."""
 
 # Each command imports what it runs inside its function: torch and the trainer load only
 # for the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
@@ -179,6 +179,20 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_merged(args: argparse.Namespace) -> int:
+    """A LoRA run's saved adapter merged into its base, written as a full HF folder."""
+    from asyncrl.models.lora import AdapterError, export_merged
+
+    try:
+        counts = export_merged(args.adapter, args.out, base=args.base)
+    except AdapterError as err:
+        print(f"asyncrl export-merged: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {counts['weights']} weights, {counts['merged']} of them merged "
+          "with the adapter")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -219,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --admin-key: the model's tool-call format (default: read from "
                         "its chat template)")
     p.set_defaults(func=_serve)
+    p = sub.add_parser("export-merged",
+                       help="merge a LoRA run's saved adapter into its base model (HF folder)")
+    p.add_argument("--adapter", required=True, type=Path,
+                   help="an adapter folder a LoRA run saved (e.g. <run>/checkpoints/step25)")
+    p.add_argument("--out", required=True, type=Path, help="the merged model's folder")
+    p.add_argument("--base", default=None,
+                   help="the base model (default: the adapter's base_model_name_or_path)")
+    p.set_defaults(func=_export_merged)
     p = sub.add_parser("ps", help="list a run's services (from <run>/services.json)")
     p.add_argument("--run", required=True, type=Path, help="the run directory")
     p.set_defaults(func=_ps)

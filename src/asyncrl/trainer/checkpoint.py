@@ -47,24 +47,30 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
 
 def full_state_dict(model: torch.nn.Module, *, prefix: str, drop: set[str],
                     dtype: torch.dtype | None,
-                    ready: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                    ready: Mapping[int, torch.Tensor] | None = None,
+                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of `model`'s weights, keys without `prefix` (a collective).
     `ready`: tensors already in `dtype` by the data pointer of the weight they stand for
     (the trainer's bf16 compute copies on one rank); those are returned themselves, not
     copied, and the model (then a plain module) is read by its own `state_dict()`, not
-    through torch.distributed.checkpoint's (~12 ms of name resolution per call)."""
+    through torch.distributed.checkpoint's (~12 ms of name resolution per call).
+    `trainable_only`: the parameters that take gradients alone (LoRA's adapters); the
+    frozen ones are not gathered."""
     if ready is not None:
         state = model.state_dict()
     else:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                   ignore_frozen_params=trainable_only)
         state = get_model_state_dict(model, options=options)  # empty off rank 0
+    frozen = ({name for name, p in model.named_parameters() if not p.requires_grad}
+              if trainable_only else set())
     out = {}
     for key in list(state):
         value = state.pop(key)  # frees each gathered tensor once it is copied
         if not key.startswith(prefix):
             raise ValueError(f"state-dict key {key!r} does not start with {prefix!r}")
         name = key[len(prefix):]
-        if name in drop:
+        if name in drop or key in frozen:
             continue
         given = ready.get(value.data_ptr()) if ready else None
         if given is not None and given.dtype == dtype and given.shape == value.shape:
@@ -121,17 +127,21 @@ def _extra_file(path: Path, rank: int) -> Path:
 
 
 def save_train_state(path: str | os.PathLike, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
-    """Model and optimiser as a sharded DCP checkpoint; `extra` (scheduler, RNG...) per rank."""
+                     optimizer: torch.optim.Optimizer, extra: dict[str, Any], *,
+                     trainable_only: bool = False) -> None:
+    """Model and optimiser as a sharded DCP checkpoint; `extra` (scheduler, RNG...) per rank.
+    `trainable_only`: the model's trainable parameters alone (LoRA: the adapters)."""
     out = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
     torch.save(extra, _extra_file(out, dist.get_rank()))
     dist.barrier()
 
 
 def load_train_state(path: str | os.PathLike, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+                     optimizer: torch.optim.Optimizer, *,
+                     trainable_only: bool = False) -> dict[str, Any]:
     """Load what `save_train_state` wrote into `model` and `optimizer`; returns this rank's extra.
 
     A rank that did not exist when saving (a larger world) gets rank 0's extra.
@@ -139,11 +149,13 @@ def load_train_state(path: str | os.PathLike, model: torch.nn.Module,
     src = Path(path)
     if not (src / ".metadata").exists():
         raise FileNotFoundError(f"{src} is not a train-state checkpoint (no .metadata file)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # A frozen parameter is left out of both sides (strict would ask for it).
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(src))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=options)
     extra_file = _extra_file(src, dist.get_rank())
     if not extra_file.exists():
         extra_file = _extra_file(src, 0)

@@ -25,6 +25,7 @@ as the loss itself does.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -42,7 +43,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.trainer import checkpoint
+from asyncrl.trainer import checkpoint, lora
 from asyncrl.trainer.cpu import grad_ops, heap, precision
 from asyncrl.trainer.cpu.attention import NAME as TRIE_ATTENTION
 from asyncrl.trainer.cpu.attention import use_trie_attention
@@ -62,6 +63,8 @@ from asyncrl.trainer.cpu.rope import use_fused_rope
 from asyncrl.trainer.dist import init_process_group, local_device
 from asyncrl.trainer.microbatch import plan_micro_batches, to_device
 from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
+
+logger = logging.getLogger(__name__)
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
 # On the CPU, the trie's node count and packed-row width rounded up to these multiples
@@ -272,6 +275,8 @@ class FSDPTrainEngine:
         self._tied: set[str] = set()  # parameter names that alias another (tied embeddings)
         self._compute_weights: ComputeWeights | None = None  # one rank, bf16 compute
         self._owns_process_group = False
+        self.lora_config: Any = None  # PEFT's LoraConfig with spec.use_lora (trainer/lora.py)
+        self._base_path = ""  # the model the weights (the base, with LoRA) come from
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -285,9 +290,11 @@ class FSDPTrainEngine:
         if self.device.type == "cpu" and cpu_paths().keep_freed_memory:
             heap.keep_freed_memory()  # trainer/cpu/heap.py: no page faults for reused buffers
         torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
-        path = resolve_model_path(self.spec.path)
+        path = self._base_path = resolve_model_path(self.spec.path)
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
+        if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too
+            self.lora_config = lora.add_adapters(hf_model, self.spec)
         use_fused_norms(hf_model)  # bf16 on the CPU: trainer/cpu/norm.py
         if self.device.type == "cpu" and self.spec.dtype == "bfloat16":
             # Only where they apply: elsewhere the modules stay HF's own, untouched.
@@ -307,7 +314,8 @@ class FSDPTrainEngine:
         if cores.current() is not None:
             _follow_core_share(self.model.hf.get_decoder().layers)
         copies = self._compute_weights.copies() if self._compute_weights is not None else None
-        self.optimizer = make_optimizer(self.model.parameters(), self.spec.optimizer, copies)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(trainable, self.spec.optimizer, copies)
         if self.device.type == "cpu":
             init_state(self.optimizer)  # trainer/cpu/optim.py: not in the first steps
         if self._compute_weights is not None and not isinstance(self.optimizer, CopyingAdamW):
@@ -385,6 +393,14 @@ class FSDPTrainEngine:
     def compute_logprobs(self, batch: TensorBatch) -> torch.Tensor:
         """Token-aligned log-probs [B, T] (fp32, CPU); position 0 and padding hold 0."""
         return self._forward_all(batch)
+
+    def compute_base_logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        """`compute_logprobs` of the base model, its LoRA adapters switched off (the KL
+        reference under LoRA: no second copy of the model)."""
+        if self.lora_config is None:
+            raise RuntimeError("compute_base_logprobs needs LoRA adapters (spec.use_lora)")
+        with lora.adapters_off(self._require_model()):
+            return self._forward_all(batch)
 
     def compute_outputs(self, batch: TensorBatch) -> torch.Tensor:
         """The root's per-token output [B, T] without gradient, what `train_batch`'s loss reads.
@@ -528,7 +544,11 @@ class FSDPTrainEngine:
         """Full weights (master fp32, or `dtype`), config and tokenizer as an HF folder.
 
         Every rank must call it (gathering the shards is a collective); only rank 0 writes.
+        With LoRA: the adapters alone, as PEFT's adapter folder (`_save_adapters`).
         """
+        if self.lora_config is not None:
+            self._save_adapters(path, dtype)
+            return
         model = self._require_model()
         # On one rank the bf16 compute copies, when they hold the masters' current values
         # (CopyingAdamW writes them as it steps), are the bf16 weights: no second cast.
@@ -541,14 +561,44 @@ class FSDPTrainEngine:
                                        getattr(hf, "generation_config", None))
         dist.barrier()
 
+    def _save_adapters(self, path: str, dtype: torch.dtype | None) -> None:
+        """The LoRA adapters (in `dtype`) as PEFT's adapter folder, with the base model's
+        path and the tokenizer: what a publish sends and a saved checkpoint holds. Every
+        rank must call it; only rank 0 writes."""
+        model = self._require_model()
+        fresh = self._compute_weights.fresh() if self._compute_weights is not None else None
+        weights = checkpoint.full_state_dict(model, prefix=HF_PREFIX, drop=self._tied,
+                                             dtype=dtype, ready=fresh, trainable_only=True)
+        if self.rank == 0:
+            adapters = lora.to_peft_names(weights)
+            lora.write_adapter_folder(path, adapters, self.lora_config, self._base_path,
+                                      self.tokenizer)
+            if not getattr(self, "_size_logged", False):
+                self._size_logged = True
+                logger.info("LoRA: a saved version holds %.2f MB of adapters; the full "
+                            "weights in the same dtype would be %.2f MB",
+                            sum(t.nbytes for t in adapters.values()) / 2**20,
+                            self._full_weight_bytes(dtype) / 2**20)
+        dist.barrier()
+
+    def _full_weight_bytes(self, dtype: torch.dtype | None) -> int:
+        """Bytes of the base model's weights in `dtype` (fp32 if None), tied aliases once."""
+        itemsize = (dtype or torch.float32).itemsize
+        seen = {id(p): p.numel() for name, p in self._require_model().named_parameters()
+                if not p.requires_grad}
+        return sum(seen.values()) * itemsize
+
     def save_state(self, path: str) -> None:
-        """Model, optimiser, lr schedule, step count and RNG state, for an exact resume."""
+        """Model, optimiser, lr schedule, step count and RNG state, for an exact resume.
+        With LoRA the model part is the adapters (the base is `spec.path`, loaded again)."""
         checkpoint.save_train_state(path, self._require_model(), self.optimizer,
-                                    self._extra_state())
+                                    self._extra_state(),
+                                    trainable_only=self.lora_config is not None)
 
     def load_state(self, path: str) -> None:
         """Restore what `save_state` wrote (the world size may differ)."""
-        extra = checkpoint.load_train_state(path, self._require_model(), self.optimizer)
+        extra = checkpoint.load_train_state(path, self._require_model(), self.optimizer,
+                                            trainable_only=self.lora_config is not None)
         if self._compute_weights is not None:
             self._compute_weights.invalidate()
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

@@ -24,13 +24,38 @@ def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int, 
     return FSDPTrainEngine(spec, total_steps=1, seed=seed)
 
 
-def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+class LoraBase:
+    """The KL reference of a LoRA actor whose base is the reference model: the actor's own
+    model with its adapters switched off. No second copy of the weights is loaded; its
+    log-probs are computed in the actor's dtype and micro-batches."""
+
+    def __init__(self, actor: FSDPTrainEngine) -> None:
+        self.actor = actor
+
+    def initialize(self) -> None:
+        """Nothing to load: the actor holds the base."""
+
+    def destroy(self) -> None:
+        """Nothing to free: the actor owns the model."""
+
+    def compute_logprobs(self, batch: Any) -> Any:
+        return self.actor.compute_base_logprobs(batch)
+
+
+def make_ref_engine(cfg: ExperimentConfig,
+                    actor: FSDPTrainEngine | None = None) -> FSDPTrainEngine | LoraBase | None:
     """The frozen reference model of the KL term (not initialised); None when kl_ctl is 0.
 
-    It shares the actor's init_from_scratch (with the same seed: the same weights).
+    It shares the actor's init_from_scratch (with the same seed: the same weights). With
+    actor.use_lora and ref.path the actor's, it is `actor` with its adapters off.
     """
     if cfg.actor.kl_ctl == 0:
         return None
+    if cfg.actor.use_lora and cfg.ref.path == cfg.actor.path:
+        if actor is None:
+            raise ValueError("make_ref_engine: a LoRA actor's reference is the actor itself; "
+                             "pass actor=")
+        return LoraBase(actor)
     return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
                          seed=cfg.seed, device=cfg.cluster.device, temperature=cfg.actor.temperature,
                          init_from_scratch=cfg.actor.init_from_scratch,

@@ -32,6 +32,7 @@ from asyncrl.trainer.critic import Critic
 from asyncrl.trainer.dist import local_device
 from asyncrl.trainer.engine import FSDPTrainEngine
 from asyncrl.trainer.frozen import (
+    LoraBase,
     check_teacher_vocab,
     make_ref_engine,
     make_teacher_engine,
@@ -49,7 +50,7 @@ class RLWorker:
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
         self.actor: FSDPTrainEngine | None = None
-        self.ref: FSDPTrainEngine | None = None
+        self.ref: FSDPTrainEngine | LoraBase | None = None
         self.teacher: FSDPTrainEngine | None = None
         self.critic = None  # trainer.critic.Critic when cfg.critic is set
         self._ipc = None  # weights.ipc.IpcExporter, made by the first ipc_weights
@@ -79,7 +80,7 @@ class RLWorker:
                                      seed=cfg.seed,
                                      total_steps=total_steps * cfg.actor.updates_per_batch)
         self.actor.initialize()
-        self.ref = make_ref_engine(cfg)
+        self.ref = make_ref_engine(cfg, self.actor)
         if self.ref is not None:
             self.ref.initialize()
         self.teacher = make_teacher_engine(cfg)

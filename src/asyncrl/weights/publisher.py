@@ -86,7 +86,9 @@ class WeightPublisher:
             raise PublishError(f"writing weights v{version} to {tmp} failed ({e}); the "
                                f"servers keep serving v{version - 1}. Free space or make "
                                f"the run folder writable") from e
-        return {"perf/weights_save_s": time.monotonic() - t0}
+        # What the servers read: the full weights, or a LoRA run's adapters alone.
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return {"perf/weights_save_s": time.monotonic() - t0, "perf/weights_mb": size / 2**20}
 
     async def load(self, version: int) -> None:
         """Every server loads the saved `version` (WeightUpdateError names any that failed);

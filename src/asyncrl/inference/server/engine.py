@@ -45,12 +45,14 @@ from asyncrl.inference.server import memory
 from asyncrl.inference.server.memory import PREFILL_TOKEN_BUDGET
 from asyncrl.inference.server.model import (
     DTYPES,
+    CheckpointError,
     Transformer,
     Weights,
     hf_shapes,
     mapped_checkpoint,
 )
 from asyncrl.inference.server.sampling import SamplingBatch, StopChecker, sample
+from asyncrl.models import lora
 from asyncrl.models.hub import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -273,7 +275,24 @@ class LocalEngine:
         The new weights are read and prepared in the calling thread while decoding goes on;
         only the swap waits for the step boundary. Raises (CheckpointError, OSError) without
         touching the weights or the version if the folder does not fit.
+
+        A LoRA adapter folder (PEFT's format, what a LoRA trainer publishes) is merged into
+        the base weights of `model_path`, read again from their file at each update
+        (W + scaling * B @ A in fp32, then cast as any loaded weight): the engine computes
+        with merged weights, as fast as without adapters.
         """
+        if lora.is_adapter_folder(path):
+            try:
+                adapter = lora.read_adapter(path)
+            except (lora.AdapterError, OSError) as e:
+                raise CheckpointError(f"cannot read the adapter in {path!r}: {e}") from e
+            with mapped_checkpoint(self.model_path, hf_shapes(self.model.cfg)) as base:
+                try:
+                    self.load_weights(lora.merged(base.items(), adapter), version)
+                except lora.AdapterError as e:
+                    raise CheckpointError(f"adapter {path!r} does not fit the base "
+                                          f"{self.model_path!r}: {e}") from e
+            return
         with mapped_checkpoint(path, hf_shapes(self.model.cfg)) as tensors:
             self.load_weights(tensors.items(), version)
 
