@@ -84,8 +84,11 @@ def hand_lora_logprobs(path, adapters, batch, scaling):
     return F.pad(picked * batch.attention_mask[:, 1:], (1, 0))
 
 
-def test_only_adapters_take_gradients_and_equal_a_hand_written_lora(tiny_path):
-    engine = make_engine(tiny_path)
+@pytest.mark.parametrize("overrides", [{}, {"gradient_checkpointing": True},
+                                       {"shared_prefix": True}],
+                         ids=["plain", "gradient_checkpointing", "shared_prefix"])
+def test_only_adapters_take_gradients_and_equal_a_hand_written_lora(tiny_path, overrides):
+    engine = make_engine(tiny_path, **overrides)
     randomise_lora_b(engine)
     adapters = adapters_by_module(engine)
     assert len(adapters) == 2 * len(TARGETS)  # two layers
