@@ -88,7 +88,8 @@ class Trainer(Protocol):
 
     def save_hf(self, path: str, dtype: torch.dtype | None = None, *,
                 with_critic: bool = False) -> None:
-        """The policy as an HF folder (weights in `dtype`, default the master fp32); with
+        """The policy as an HF folder (weights in `dtype`, default the master fp32; with
+        actor.use_lora, PEFT's folder of the adapters alone); with
         `with_critic`, the critic's (if any) beside it as `<path>_critic`. `path` may hold
         an earlier save of the same model (the disk weight publisher reuses a pruned
         version's folder): its files are written over."""
