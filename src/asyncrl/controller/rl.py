@@ -27,6 +27,7 @@ from asyncrl.controller.rollout import (
     evaluate,
     make_episode_filter,
 )
+from asyncrl.controller.specs import build_agent_spec, build_trainer_spec, run_paths
 from asyncrl.controller.weight_update import WeightUpdateClient
 from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
@@ -67,9 +68,9 @@ ROLES = ("inference", "router", "trainer", "weight_update", "agent")  # the proc
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run asynchronous RL as `cfg` says; returns the summary (evaluations, run dir)."""
-    paths = RunPaths.from_config(cfg)
+    paths = run_paths(cfg)
     setup_logging(paths.root)
-    (paths.root / "config.yaml").write_text(to_yaml(cfg))  # the training service reads it
+    (paths.root / "config.yaml").write_text(to_yaml(cfg))  # the resolved config, as run
     with make_scheduler(cfg.scheduler, cfg.cluster, paths.root, ray_cfg=cfg.ray,
                         slurm_cfg=cfg.slurm) as scheduler:
         services = launch(cfg, paths, scheduler)
@@ -143,7 +144,7 @@ class RLTrainer:
             self.engine.timeline = self.timeline  # the servers' lanes, as routed from here
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
-            self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,
+            self.agents = AgentRuntime(build_agent_spec(cfg), self.tokenizer, self.engine,
                                        version=lambda: self.rollout.version,
                                        service=agent_service)
             self.workflow = self.agents.workflow
@@ -177,7 +178,7 @@ class RLTrainer:
             if cfg.valid_dataset else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
         # The trainer ranks: this process (inline) or the training service's processes.
-        self.trainer = trainer if trainer is not None else RLWorker(cfg)
+        self.trainer = trainer if trainer is not None else RLWorker(build_trainer_spec(cfg))
         self.trainer.initialize(self.total_steps)
         if weight_update is not None:  # the weight-update service pairs ranks and servers
             self.publisher: Any = weight_update
