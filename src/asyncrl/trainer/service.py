@@ -32,9 +32,9 @@ bytes are written once to shared memory (/dev/shm) and each rank is sent the fil
 ({"batch_file": path}, only files named asyncrl-batch-* there are read). Paths to write or
 read must lie under cluster.fileroot (the spec's `fileroot`). If $ASYNCRL_API_KEY is set,
 every route but /health and /openapi.json (the description, api/openapi.py) needs
-`Authorization: Bearer <key>`. A bad body answers 400, a path that does not exist 404, a call before the one it
-needs (/initialize, /weights/connect) 409, and a failing call 500, each with the error and
-the rank; `TrainingClient` raises it naming the rank and address.
+`Authorization: Bearer <key>`. A bad body answers 400, a path that does not exist 404, a
+call before the one it needs (/initialize, /weights/connect) 409, and a failing call 500,
+each with the error and the rank; `TrainingClient` raises it naming the rank and address.
 """
 
 from __future__ import annotations

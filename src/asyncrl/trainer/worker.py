@@ -1,10 +1,10 @@
 """What one trainer rank runs in RL: the actor, its frozen and critic companions, the step.
 
 `RLWorker` is built from a `TrainerSpec`, the part of the run's config a rank reads (the
-controller builds it, and writes it to a file for the training service's ranks). Its `train(batch)` is the algorithm's whole
-step on a collated batch: proximal log-probs (or none when the training forward gives
-them), reference and teacher log-probs, critic values, advantages and returns, the actor's
-optimiser steps, the critic's. Every rank of a data-parallel world calls the same methods
+controller builds it, and writes it to a file for the training service's ranks). Its
+`train(batch)` is the algorithm's whole step on a collated batch: proximal log-probs (or
+none when the training forward gives them), reference and teacher log-probs, critic
+values, advantages and returns, the actor's optimiser steps, the critic's. Every rank of a data-parallel world calls the same methods
 in the same order with the same full batch (each engine takes its own rows), so the
 controller can drive one rank in its own process (`scheduler.trainer=inline`) or N rank
 processes through the training service (`trainer/service.py`) the same way.
