@@ -4,10 +4,11 @@
 controller builds it, and writes it to a file for the training service's ranks). Its
 `train(batch)` is the algorithm's whole step on a collated batch: proximal log-probs (or
 none when the training forward gives them), reference and teacher log-probs, critic
-values, advantages and returns, the actor's optimiser steps, the critic's. Every rank of a data-parallel world calls the same methods
-in the same order with the same full batch (each engine takes its own rows), so the
-controller can drive one rank in its own process (`scheduler.trainer=inline`) or N rank
-processes through the training service (`trainer/service.py`) the same way.
+values, advantages and returns, the actor's optimiser steps, the critic's. Every rank of
+a data-parallel world calls the same methods in the same order with the same full batch
+(each engine takes its own rows), so the controller can drive one rank in its own process
+(`scheduler.trainer=inline`) or N rank processes through the training service
+(`trainer/service.py`) the same way.
 """
 
 from __future__ import annotations
