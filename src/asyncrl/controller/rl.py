@@ -27,6 +27,7 @@ from asyncrl.controller.rollout import (
     evaluate,
     make_episode_filter,
 )
+from asyncrl.controller.specs import build_agent_spec, build_trainer_spec, run_paths
 from asyncrl.controller.supervise import ROLES, Supervisor
 from asyncrl.controller.versions import VersionSync
 from asyncrl.controller.weight_update import WeightUpdateClient
@@ -60,9 +61,9 @@ STEP_KINDS = {"wait_batch_s": "wait", "train_s": "train", "publish_s": "publish"
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run asynchronous RL as `cfg` says; returns the summary (evaluations, run dir)."""
-    paths = RunPaths.from_config(cfg)
+    paths = run_paths(cfg)
     setup_logging(paths.root)
-    (paths.root / "config.yaml").write_text(to_yaml(cfg))  # the training service reads it
+    (paths.root / "config.yaml").write_text(to_yaml(cfg))  # the resolved config, as run
     with make_scheduler(cfg.scheduler, cfg.cluster, paths.root, ray_cfg=cfg.ray,
                         slurm_cfg=cfg.slurm) as scheduler:
         services = launch(cfg, paths, scheduler)
@@ -103,7 +104,7 @@ class RLTrainer:
         self.engine = _inference_client(cfg, addresses, router, inference_key, self.timeline)
         self.agents = None  # workflow.type=agent: the proxy and the agent
         if cfg.workflow.type == "agent":
-            self.agents = AgentRuntime(cfg, self.tokenizer, self.engine,
+            self.agents = AgentRuntime(build_agent_spec(cfg), self.tokenizer, self.engine,
                                        version=lambda: self.rollout.version,
                                        service=agent_service)
             self.workflow = self.agents.workflow
@@ -136,7 +137,7 @@ class RLTrainer:
             if cfg.valid_dataset else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
         # The trainer ranks: this process (inline) or the training service's processes.
-        self.trainer = trainer if trainer is not None else RLWorker(cfg)
+        self.trainer = trainer if trainer is not None else RLWorker(build_trainer_spec(cfg))
         self.trainer.initialize(self.total_steps)
         self.supervisor = Supervisor(scheduler, self.engine, self.rollout, self.agents,
                                      routed=router is not None, backend=cfg.rollout.backend)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.config.schema import ExperimentConfig, MicroBatchSpec
+from asyncrl.config.schema import ActorConfig, MicroBatchSpec, RefConfig, TeacherConfig
 from asyncrl.trainer.engine import FSDPTrainEngine
 
 
@@ -24,26 +24,28 @@ def frozen_engine(*, path: str, dtype: str, mb_spec: MicroBatchSpec, seed: int, 
     return FSDPTrainEngine(spec, total_steps=1, seed=seed)
 
 
-def make_ref_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+def make_ref_engine(actor: ActorConfig, ref: RefConfig, *, seed: int,
+                    device: str) -> FSDPTrainEngine | None:
     """The frozen reference model of the KL term (not initialised); None when kl_ctl is 0.
 
     It shares the actor's init_from_scratch (with the same seed: the same weights).
     """
-    if cfg.actor.kl_ctl == 0:
+    if actor.kl_ctl == 0:
         return None
-    return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
-                         seed=cfg.seed, device=cfg.cluster.device, temperature=cfg.actor.temperature,
-                         init_from_scratch=cfg.actor.init_from_scratch,
-                         shared_prefix=cfg.actor.shared_prefix)
+    return frozen_engine(path=ref.path, dtype=ref.dtype, mb_spec=ref.mb_spec, seed=seed,
+                         device=device, temperature=actor.temperature,
+                         init_from_scratch=actor.init_from_scratch,
+                         shared_prefix=actor.shared_prefix)
 
 
-def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+def make_teacher_engine(actor: ActorConfig, teacher: TeacherConfig, *, seed: int,
+                        device: str) -> FSDPTrainEngine | None:
     """The distillation teacher (not initialised); None when actor.distill_coef is 0."""
-    if cfg.actor.distill_coef == 0:
+    if actor.distill_coef == 0:
         return None
-    return frozen_engine(path=cfg.teacher.path, dtype=cfg.teacher.dtype,
-                         mb_spec=cfg.teacher.mb_spec, seed=cfg.seed, device=cfg.cluster.device,
-                         temperature=cfg.actor.temperature, shared_prefix=cfg.actor.shared_prefix)
+    return frozen_engine(path=teacher.path, dtype=teacher.dtype, mb_spec=teacher.mb_spec,
+                         seed=seed, device=device, temperature=actor.temperature,
+                         shared_prefix=actor.shared_prefix)
 
 
 def check_shared_vocab(student_vocab: dict[str, int], teacher_vocab: dict[str, int],
