@@ -41,9 +41,10 @@ from asyncrl.api import Batch, GenerationRequest, Trajectory
 from asyncrl.config import load_config, to_yaml
 from asyncrl.controller.launch import launch
 from asyncrl.controller.rl import RLTrainer
+from asyncrl.controller.specs import run_paths
 from asyncrl.launch import make_scheduler
 from asyncrl.observe import read_stats
-from asyncrl.observe.paths import RunPaths, setup_logging
+from asyncrl.observe.paths import setup_logging
 
 HERE = Path(__file__).resolve().parent
 
@@ -140,7 +141,7 @@ def run(device: str, model_dir: str, out_dir: str, steps: int, sync: str, *,
     """`steps` steps of async GRPO on `device` ("cuda" or "cpu") with `sync` ("ipc" or
     "disk"); the row described in the module doc. `overrides`: more config keys."""
     cfg = _config(device, model_dir, out_dir, steps, sync, overrides)
-    paths = RunPaths.from_config(cfg)
+    paths = run_paths(cfg)
     setup_logging(paths.root)
     (paths.root / "config.yaml").write_text(to_yaml(cfg))
     t0 = time.monotonic()

@@ -1,4 +1,5 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart | export-merged | ps | logs | stop`."""
+"""`asyncrl train | sft | dpo | rm | serve | quickstart | plan | export-merged | ps | logs |
+stop`."""
 
 # Each command imports what it runs inside its function: torch and the trainer load only
 # for the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
@@ -43,6 +44,18 @@ def _quickstart(args: argparse.Namespace) -> int:
     summary = train(cfg)
     print_summary(summary)
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """`asyncrl plan`: the run's memory per device, and whether it fits."""
+    from asyncrl.config import load_config
+    from asyncrl.controller.plan import GiB, plan_run
+
+    cfg = load_config(args.config, args.overrides)
+    device_bytes = int(args.device_gb * GiB) if args.device_gb else None
+    plan = plan_run(cfg, device_bytes=device_bytes)
+    print(plan.table())
+    return 0 if plan.fits else 1
 
 
 def print_summary(summary: dict) -> None:
@@ -210,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="async GRPO on SmolLM2-135M-Instruct, on the CPU")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart recipe")
     p.set_defaults(func=_quickstart)
+    p = sub.add_parser("plan", help="the memory of a run per device, before it starts")
+    p.add_argument("--config", default=None, help="YAML config file (else defaults + overrides)")
+    p.add_argument("--device-gb", type=float, default=None,
+                   help="memory of one device in GiB (default: 80 on a GPU run, this "
+                        "machine's memory on a CPU run)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.set_defaults(func=_plan)
     p = sub.add_parser("serve", help="start an inference server alone (with OpenAI /v1 routes)")
     p.add_argument("--backend", default="local", choices=["local", "vllm", "sglang"])
     p.add_argument("--model", required=True, help="HF folder, hub id or named model")

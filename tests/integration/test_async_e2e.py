@@ -133,7 +133,7 @@ def test_servers_load_while_the_trainer_trains_the_next_step(tmp_path, tiny_mode
     train_step, load = RLTrainer._train_step, WeightPublisher.load
 
     def recording_train_step(self, batch):
-        started.append(self._version + 1)  # the step it trains
+        started.append(self.versions.version + 1)  # the step it trains
         return train_step(self, batch)
 
     async def held_load(self, version):
@@ -164,13 +164,14 @@ def test_servers_load_while_the_trainer_trains_the_next_step(tmp_path, tiny_mode
 
 def test_without_overlap_each_publish_waits_for_the_load(tmp_path, tiny_model, monkeypatch):
     from asyncrl.controller.rl import RLTrainer
+    from asyncrl.controller.versions import VersionSync
 
     trained, loaded = [], []
     train_step = RLTrainer._train_step
-    announce = RLTrainer._announce_version
+    announce = VersionSync.announce
 
     def recording_train_step(self, batch):
-        trained.append(self._version + 1)
+        trained.append(self.versions.version + 1)
         return train_step(self, batch)
 
     def recording_announce(self, version):
@@ -178,7 +179,7 @@ def test_without_overlap_each_publish_waits_for_the_load(tmp_path, tiny_model, m
         return announce(self, version)
 
     monkeypatch.setattr(RLTrainer, "_train_step", recording_train_step)
-    monkeypatch.setattr(RLTrainer, "_announce_version", recording_announce)
+    monkeypatch.setattr(VersionSync, "announce", recording_announce)
     summary = train(_config(tmp_path, tiny_model, eta=1, steps=2, extra=[
         "evaluator.before_training=false", "evaluator.after_training=false",
         "actor.weight_update_overlap=false"]))

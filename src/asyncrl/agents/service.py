@@ -1,10 +1,11 @@
 """The agent service of an RL run: the agent proxy in its own process, and its client.
 
-    python -m asyncrl.agents.service --config RUN/config.yaml --servers URL[,URL...] \
+    python -m asyncrl.agents.service --spec RUN/specs/agent.json --servers URL[,URL...] \
         --host 127.0.0.1 --port 0          # ASYNCRL_ADMIN_KEY (and ASYNCRL_API_KEY) set
-    python -m asyncrl.agents.service --config RUN/config.yaml --router URL ...
+    python -m asyncrl.agents.service --spec RUN/specs/agent.json --router URL ...
 
-The proxy (`agent_proxy.AgentProxy`) generates through the run's router (or its own client
+The proxy (`agent_proxy.AgentProxy`), built from the `AgentServiceSpec` the controller
+wrote, generates through the run's router (or its own client
 of the inference servers) and records every session token for token. The controller drives it
 over HTTP with the admin key, through `AgentClient`:
 
@@ -36,7 +37,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
@@ -50,7 +51,9 @@ from asyncrl.agents.proxy import (
     serve_until_signalled,
 )
 from asyncrl.agents.session import Session
-from asyncrl.config import ExperimentConfig, load_config
+from asyncrl.config import ConfigError, GenerationConfig
+from asyncrl.config.schema import AgentConfig
+from asyncrl.config.specfile import read_spec
 from asyncrl.inference.gateway import load_tokenizer
 from asyncrl.inference.router import add_inference_args, inference_engine
 from asyncrl.openai.drift import check_template_drift
@@ -59,27 +62,42 @@ logger = logging.getLogger(__name__)
 GRANT_TIMEOUT = 30.0  # seconds an online grant waits for a client before it lapses
 
 
-def forced_sampling(cfg: ExperimentConfig, eos_token_id: int | None) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class AgentServiceSpec:
+    """What the run's agent proxy reads of its config (here, or inline in the controller)."""
+
+    agent: AgentConfig
+    gconfig: GenerationConfig  # what every session samples with
+    model_name: str  # actor.path: the model the OpenAI routes name
+    tokenizer_path: str
+    max_model_len: int  # local_engine.max_seq_len
+    max_session_version_lag: int | None  # rollout.max_session_version_lag
+    # How the service reaches the servers (rollout.*): its backend's client and limits.
+    backend: Literal["local", "vllm", "sglang"]
+    request_timeout: float
+    request_retries: int
+
+
+def forced_sampling(g: GenerationConfig, eos_token_id: int | None) -> dict[str, Any]:
     """What every training session samples with, whatever the agent asks: the trainer's
     temperature (its log-probs assume it), top_p/top_k, and the token budget as a cap."""
-    g = cfg.gconfig
     stops = list(g.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
     return {"temperature": g.effective_temperature, "top_p": g.top_p, "top_k": g.top_k,
             "max_new_tokens": g.max_new_tokens, "stop_token_ids": stops}
 
 
-def build_proxy(cfg: ExperimentConfig, tokenizer: Any, engine: Any, *,
+def build_proxy(spec: AgentServiceSpec, tokenizer: Any, engine: Any, *,
                 version: Callable[[], int], admin_key: str | None) -> AgentProxy:
-    """The proxy of an RL run as `cfg.agent` says (in the controller or in this service)."""
-    a = cfg.agent
+    """The proxy of an RL run as `spec` says (in the controller or in this service)."""
+    a = spec.agent
     writer = (SessionWriter(a.export_dir, style=a.export_style, discount=a.turn_discount)
               if a.export_dir else None)
     return AgentProxy(
-        engine, tokenizer, model_name=cfg.actor.path, admin_key=admin_key, version=version,
+        engine, tokenizer, model_name=spec.model_name, admin_key=admin_key, version=version,
         session_timeout=a.session_timeout,
-        max_session_version_lag=cfg.rollout.max_session_version_lag,
-        max_model_len=cfg.local_engine.max_seq_len,
-        sampling=forced_sampling(cfg, tokenizer.eos_token_id), on_end=writer,
+        max_session_version_lag=spec.max_session_version_lag,
+        max_model_len=spec.max_model_len,
+        sampling=forced_sampling(spec.gconfig, tokenizer.eos_token_id), on_end=writer,
         tool_parser=a.tool_parser)
 
 
@@ -185,16 +203,15 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-async def serve(cfg: ExperimentConfig, args: argparse.Namespace, admin_key: str) -> None:
+async def serve(spec: AgentServiceSpec, args: argparse.Namespace, admin_key: str) -> None:
     """Serve the run's proxy until SIGTERM/SIGINT; active sessions end as cancelled.
 
     It generates through the run's router when there is one, else its own client of the
     servers."""
-    r = cfg.rollout
-    engine = inference_engine(args, r.backend, request_timeout=r.request_timeout,
-                              request_retries=r.request_retries)
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
-    proxy = build_proxy(cfg, tokenizer, engine, version=lambda: 0, admin_key=admin_key)
+    engine = inference_engine(args, spec.backend, request_timeout=spec.request_timeout,
+                              request_retries=spec.request_retries)
+    tokenizer = load_tokenizer(spec.tokenizer_path)
+    proxy = build_proxy(spec, tokenizer, engine, version=lambda: 0, admin_key=admin_key)
     AgentService(proxy, engine)  # adds its routes and admission to the proxy
     logger.info("%s", check_template_drift(tokenizer, proxy.routes.native_tools).describe())
     await serve_until_signalled(proxy, engine, args.host, args.port, "asyncrl agent service")
@@ -203,7 +220,8 @@ async def serve(cfg: ExperimentConfig, args: argparse.Namespace, admin_key: str)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m asyncrl.agents.service",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="the run's resolved config.yaml")
+    p.add_argument("--spec", required=True,
+                   help="the proxy's AgentServiceSpec as JSON (<run>/specs/agent.json)")
     add_inference_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
@@ -213,8 +231,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("ASYNCRL_ADMIN_KEY must be set: it guards the controller's /rl/* routes")
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, [])
-    asyncio.run(serve(cfg, args, admin_key))
+    try:
+        spec = read_spec(AgentServiceSpec, args.spec)
+    except ConfigError as err:
+        p.error(str(err))
+    asyncio.run(serve(spec, args, admin_key))
 
 
 # -- the client ---------------------------------------------------------------------------

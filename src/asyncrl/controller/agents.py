@@ -19,9 +19,8 @@ from typing import Any
 from asyncrl.agents.online import OnlineAdmission, TaskBaseline
 from asyncrl.agents.proxy import LocalSessions
 from asyncrl.agents.runner import SubprocessAgent, resolve_agent
-from asyncrl.agents.service import AgentClient, AgentServiceError, build_proxy
+from asyncrl.agents.service import AgentClient, AgentServiceError, AgentServiceSpec, build_proxy
 from asyncrl.agents.session import Session
-from asyncrl.config import ExperimentConfig
 from asyncrl.controller.workflows.agent import AgentSpec, AgentWorkflow
 from asyncrl.openai.drift import check_template_drift
 
@@ -31,14 +30,13 @@ logger = logging.getLogger(__name__)
 class AgentRuntime:
     """Builds and runs the proxy (here, or the agent service's client) and the workflow."""
 
-    def __init__(self, cfg: ExperimentConfig, tokenizer: Any, engine: Any, version: Any,
+    def __init__(self, spec: AgentServiceSpec, tokenizer: Any, engine: Any, version: Any,
                  service: AgentClient | None = None) -> None:
-        a = cfg.agent
-        self.cfg = cfg
+        a = self.agent = spec.agent
         self.service = service
         self.proxy = None
         if service is None:
-            self.proxy = build_proxy(cfg, tokenizer, engine, version=version,
+            self.proxy = build_proxy(spec, tokenizer, engine, version=version,
                                      admin_key=a.admin_key)
             sessions: Any = LocalSessions(self.proxy)
             report = check_template_drift(tokenizer, self.proxy.routes.native_tools)
@@ -52,7 +50,7 @@ class AgentRuntime:
         else:
             agent = _no_agent
         self.workflow = AgentWorkflow(sessions, agent, AgentSpec(
-            n_samples=cfg.gconfig.n_samples, timeout=a.timeout, export_style=a.export_style,
+            n_samples=spec.gconfig.n_samples, timeout=a.timeout, export_style=a.export_style,
             turn_discount=a.turn_discount))
         self.admission: OnlineAdmission | None = None
         self._controller: Any = None
@@ -61,20 +59,19 @@ class AgentRuntime:
 
     def attach(self, controller: Any) -> None:
         """Online mode: sessions started over HTTP become the controller's episodes."""
-        if self.cfg.agent.mode != "online":
+        if self.agent.mode != "online":
             return
         self._controller = controller
         self.admission = OnlineAdmission(
             controller, self._online_trajectories,
-            baseline=TaskBaseline() if self.cfg.agent.baseline else None)
+            baseline=TaskBaseline() if self.agent.baseline else None)
         if self.proxy is not None:
             self.proxy.admission = self.admission
 
     async def start(self) -> str:
         """Serve the proxy (inline) or start holding online grants (service); its base_url."""
         if self.proxy is not None:
-            a = self.cfg.agent
-            return await self.proxy.start(a.host, a.port)
+            return await self.proxy.start(self.agent.host, self.agent.port)
         if self.admission is not None:
             self._pump = asyncio.get_running_loop().create_task(self._grant_pump())
         return self.service.base_url

@@ -4,16 +4,16 @@ The same roles under every scheduler (under ray and slurm each binds its node's 
 and takes an API key made for the run):
 - `inference`: `rollout.n_servers` servers of `rollout.backend` (allocation_mode's d<N>);
 - `trainer`: `fsdp:d<M>` training-service ranks (`trainer/service.py`), unless the one
-  rank runs inline in the controller (`scheduler.trainer`: auto is inline for one rank
-  under the local scheduler);
+  rank runs inline in the controller;
 - `router`: the servers behind one address (`inference/router.py`), unless the controller's
-  client routes itself (`scheduler.router`: auto is inline under the local scheduler);
+  client routes itself;
 - `agent` (workflow.type=agent): the agent proxy as its own process (`agents/service.py`),
-  unless it runs on the controller's rollout loop (`scheduler.agent`: auto is inline
-  under the local scheduler);
+  unless it runs on the controller's rollout loop;
 - `weight_update`: the process that carries each version from the trainer ranks to the
-  servers (`controller/weight_update.py`), unless the controller does (`scheduler.weight_update`:
-  auto is a service off the local scheduler when the trainer ranks are one).
+  servers (`controller/weight_update.py`), unless the controller does.
+Which of them run as services is the run's `Placement` (controller/placement.py). Each
+service process reads its spec, written here to `<run>/specs/<role>.json`
+(controller/specs.py); the router takes its settings as flags.
 On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after);
 colocated (allocation_mode with '|') server i and rank i share GPU i, each with its share of
 the GPU's memory (`rollout.gpu_memory_fraction`; the trainer keeps the rest).
@@ -29,12 +29,20 @@ import os
 import secrets
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from asyncrl.agents.service import AgentClient
 from asyncrl.api import Trainer
 from asyncrl.api.cores import ENV as CORE_SHARE_ENV
 from asyncrl.config import ExperimentConfig
+from asyncrl.config.specfile import write_spec
+from asyncrl.controller.placement import Placement
+from asyncrl.controller.specs import (
+    build_agent_spec,
+    build_placement,
+    build_trainer_spec,
+    build_weight_update_spec,
+)
 from asyncrl.controller.weight_update import WeightUpdateClient
 from asyncrl.launch.base import Scheduler, WorkerSpec
 from asyncrl.launch.commands import inference_spec
@@ -62,36 +70,22 @@ class Services:
     ready: Callable[[], None] = _ready
     # Trainer and servers lend each other this machine's cores (scheduler.share_cores).
     cores_shared: bool = False
+    placement: Placement | None = None  # where each role runs (set by `launch`)
 
 
 # The router, weight-update and agent services are light (HTTP, tokenising): they reserve no
 # core (cpus=0: unpinned locally, a sliver of a CPU under Ray, one task's CPU under Slurm).
 
 
-def in_service(cfg: ExperimentConfig, choice: str) -> bool:
-    """`auto` means a service off the local scheduler, inline on it."""
-    return cfg.scheduler.type != "local" if choice == "auto" else choice == "service"
-
-
-def weight_update_in_service(cfg: ExperimentConfig) -> bool:
-    if cfg.scheduler.weight_update == "auto":
-        return cfg.scheduler.type != "local" and trainer_in_service(cfg)
-    if cfg.scheduler.weight_update == "service" and not trainer_in_service(cfg):
-        raise ValueError("scheduler.weight_update=service needs the trainer ranks as a service "
-                         "(scheduler.trainer=service, or several fsdp ranks); set "
-                         "scheduler.weight_update=inline or auto")
-    return cfg.scheduler.weight_update == "service"
-
-
-def weight_update_spec(config_path: str, ranks: list[str], servers: list[str],
+def weight_update_spec(spec_path: str, ranks: list[str], servers: list[str],
                        router: str | None, *, keys: dict[str, str | None],
                        local: bool) -> WorkerSpec:
     """The weight-update service (controller/weight_update.py) between `ranks` and the servers."""
     env = {name: key for name, key in keys.items() if key}
     return WorkerSpec(
         role="weight_update", count=1,
-        command=[sys.executable, "-m", "asyncrl.controller.weight_update", "--config",
-                 config_path, "--trainer", ",".join(ranks),
+        command=[sys.executable, "-m", "asyncrl.controller.weight_update", "--spec",
+                 spec_path, "--trainer", ",".join(ranks),
                  *(["--router", router] if router else ["--servers", ",".join(servers)]),
                  "--host", "{host}", "--port", "{port}"],
         env={**env, "PYTHONUNBUFFERED": "1"}, cpus=0, cores=[[]] if local else None)
@@ -113,7 +107,7 @@ def router_spec(cfg: ExperimentConfig, servers: list[str], *, inference_key: str
                       cpus=0, cores=[[]] if local else None)
 
 
-def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
+def agent_spec(cfg: ExperimentConfig, spec_path: str, servers: list[str], *,
                admin_key: str, inference_key: str | None, local: bool,
                router: str | None = None) -> WorkerSpec:
     """The agent service (agents/service.py): the run's proxy in front of `servers` (or of
@@ -126,23 +120,17 @@ def agent_spec(cfg: ExperimentConfig, config_path: str, servers: list[str], *,
         env["ASYNCRL_API_KEY"] = inference_key
     return WorkerSpec(
         role="agent", count=1,
-        command=[sys.executable, "-m", "asyncrl.agents.service", "--config", config_path,
+        command=[sys.executable, "-m", "asyncrl.agents.service", "--spec", spec_path,
                  *(["--router", router] if router else ["--servers", ",".join(servers)]),
                  "--host", cfg.agent.host if local else "{host}", "--port", "{port}"],
         env=env, cpus=0, port=cfg.agent.port or None, cores=[[]] if local else None)
 
 
-def trainer_in_service(cfg: ExperimentConfig) -> bool:
-    if cfg.scheduler.trainer == "auto":
-        return not (cfg.scheduler.type == "local" and cfg.trainer_world_size == 1)
-    return cfg.scheduler.trainer == "service"
-
-
-def trainer_spec(cfg: ExperimentConfig, config_path: str, *, api_key: str) -> WorkerSpec:
-    """`fsdp:d<M>` training-service ranks reading the run's resolved config."""
+def trainer_spec(cfg: ExperimentConfig, spec_path: str, *, api_key: str) -> WorkerSpec:
+    """`fsdp:d<M>` training-service ranks reading their `TrainerSpec` file."""
     return WorkerSpec(
         role="trainer", count=cfg.trainer_world_size,
-        command=[sys.executable, "-m", "asyncrl.trainer.service", "--config", config_path,
+        command=[sys.executable, "-m", "asyncrl.trainer.service", "--spec", spec_path,
                  "--host", "{host}", "--port", "{port}", "--threads", "{cpus}"],
         env={"ASYNCRL_API_KEY": api_key, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
         cpus=cfg.scheduler.trainer_threads or 1,
@@ -152,10 +140,10 @@ def trainer_spec(cfg: ExperimentConfig, config_path: str, *, api_key: str) -> Wo
 def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Services:
     """Start the servers and (service mode) the trainer ranks; return once all are healthy."""
     world, n_servers = cfg.trainer_world_size, cfg.rollout.n_servers
-    weights_service = weight_update_in_service(cfg)  # checked before anything starts
+    place = build_placement(cfg)  # checked before anything starts
     device = cfg.cluster.device
     local = isinstance(scheduler, LocalScheduler)
-    service = trainer_in_service(cfg)
+    service = place.trainer == "service"
     colocated = cfg.colocated
     extra = list(cfg.rollout.server_args)
     if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode in ("broadcast", "ipc"):
@@ -198,8 +186,7 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     # Alone with an inline trainer, the local servers start while the trainer loads; vLLM
     # and SGLang on a shared GPU first, as they size their KV cache from the memory free on
     # start (ours from the GPU's total).
-    defer = (local and not service and not in_service(cfg, cfg.scheduler.router)
-             and not (cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent))
+    defer = (local and not service and place.router == "inline" and place.agent == "inline"
              and not (colocated and cfg.rollout.backend != "local"))
     if defer:
         assert isinstance(scheduler, LocalScheduler)
@@ -208,16 +195,21 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         workers = scheduler.create_workers(servers)
     addresses = [w.address for w in workers]
     router = None
-    if in_service(cfg, cfg.scheduler.router):
+    if place.router == "service":
         [worker] = scheduler.create_workers(router_spec(
             cfg, addresses, inference_key=inference_key, local=local))
         router = worker.address
         logger.info("router: %s", router)
     agent = None
-    if cfg.workflow.type == "agent" and in_service(cfg, cfg.scheduler.agent):
+    if place.agent == "service":
         admin_key = cfg.agent.admin_key or secrets.token_hex(16)
+        # The service takes the admin key from its environment, not from a file.
+        agent_slice = build_agent_spec(cfg)
+        spec_file = write_spec(replace(agent_slice, agent=replace(agent_slice.agent,
+                                                                   admin_key=None)),
+                               paths.spec("agent"))
         [worker] = scheduler.create_workers(agent_spec(
-            cfg, str(paths.root / "config.yaml"), addresses, admin_key=admin_key,
+            cfg, str(spec_file), addresses, admin_key=admin_key,
             inference_key=inference_key, local=local, router=router))
         agent = AgentClient(worker.address, admin_key,
                             wait_timeout=cfg.rollout.server_wait_timeout)
@@ -229,9 +221,10 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
                         f", sharing cores {shared} on demand" if shared else "")
         ready = (lambda: scheduler.wait_workers(servers.role)) if defer else _ready
         return Services(addresses, None, inference_key, agent, router, ready=ready,
-                        cores_shared=shared is not None)
+                        cores_shared=shared is not None, placement=place)
     key = secrets.token_hex(16)
-    spec = trainer_spec(cfg, str(paths.root / "config.yaml"), api_key=key)
+    spec_file = write_spec(build_trainer_spec(cfg), paths.spec("trainer"))
+    spec = trainer_spec(cfg, str(spec_file), api_key=key)
     if local:
         spec.cores = (rank_cores(trainer_cores, world) if device == "cpu"
                       else [[] for _ in range(world)])
@@ -239,10 +232,12 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
     ranks = [w.address for w in scheduler.create_workers(spec)]
     logger.info("trainer: %d rank(s) at %s", world, ", ".join(ranks))
     weights = None
-    if weights_service:
+    if place.weight_update == "service":
         weights_key = secrets.token_hex(16)
+        spec_file = write_spec(build_weight_update_spec(cfg, paths.weights),
+                               paths.spec("weight_update"))
         [worker] = scheduler.create_workers(weight_update_spec(
-            str(paths.root / "config.yaml"), ranks, addresses, router, local=local,
+            str(spec_file), ranks, addresses, router, local=local,
             keys={"ASYNCRL_API_KEY": weights_key, "ASYNCRL_TRAINER_KEY": key,
                   "ASYNCRL_INFERENCE_KEY": inference_key}))
         weights = WeightUpdateClient(worker.address, api_key=weights_key,
@@ -250,4 +245,4 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         logger.info("weight update: %s", worker.address)
     return Services(addresses, TrainingClient(ranks, api_key=key,
                                               timeout=cfg.scheduler.trainer_timeout),
-                    inference_key, agent, router, weights)
+                    inference_key, agent, router, weights, placement=place)

@@ -1,11 +1,12 @@
 """The weight-update service: carries each version from the trainer ranks to the servers.
 
-    python -m asyncrl.controller.weight_update --config RUN/config.yaml \
+    python -m asyncrl.controller.weight_update --spec RUN/specs/weight_update.json \
         --trainer URL[,URL...] (--router URL | --servers URL[,URL...]) --host H --port 0
     # ASYNCRL_API_KEY guards it; ASYNCRL_TRAINER_KEY / ASYNCRL_INFERENCE_KEY reach the others
 
 It pairs the training service's ranks with the inference servers (through the run's router,
-or its own client of them) and runs `actor.weight_update_mode` between them:
+or its own client of them) and runs `actor.weight_update_mode` between them, as the
+`WeightUpdateSpec` the controller wrote says:
 - disk: rank 0 writes `<run>/weights/v<N>/`, every server pauses, loads it, sets N, resumes;
 - broadcast: a process group of rank 0 and every server, every rank gathering in lockstep,
   bucketed, each step bounded by `rollout.update_weights_timeout`.
@@ -28,19 +29,35 @@ import logging
 import os
 import urllib.error
 import urllib.request
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
 from asyncrl.api.http import bearer_auth, serve_app
-from asyncrl.config import ExperimentConfig, load_config
+from asyncrl.config import ConfigError
+from asyncrl.config.specfile import read_spec
 from asyncrl.inference.router import add_inference_args, inference_engine
-from asyncrl.observe.paths import RunPaths
 from asyncrl.trainer.service import TrainingClient
 from asyncrl.weights import make_publisher, transfer_backend
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightUpdateSpec:
+    """What the weight-update service reads of the run's config."""
+
+    mode: Literal["disk", "broadcast", "ipc"]  # actor.weight_update_mode
+    backend: Literal["local", "vllm", "sglang"]  # rollout.backend
+    cuda: bool  # the servers are on GPUs (cluster.n_gpus_per_node > 0): the broadcast's group
+    weights_dir: str  # <run>/weights: disk mode's versions
+    dtype: Literal["bfloat16", "float32", "float16"]  # local_engine.dtype: what is published
+    bucket_mb: int  # actor.weight_update_bucket_mb
+    update_weights_timeout: float  # rollout.update_weights_timeout
+    trainer_timeout: float  # scheduler.trainer_timeout
 
 
 class WeightUpdateError(RuntimeError):
@@ -93,22 +110,22 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-async def serve(cfg: ExperimentConfig, args: argparse.Namespace) -> None:
-    r, loop = cfg.rollout, asyncio.get_running_loop()
-    engine = inference_engine(args, r.backend, update_weights_timeout=r.update_weights_timeout,
+async def serve(spec: WeightUpdateSpec, args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    engine = inference_engine(args, spec.backend,
+                              update_weights_timeout=spec.update_weights_timeout,
                               api_key=os.environ.get("ASYNCRL_INFERENCE_KEY") or None)
     trainer = [a for a in args.trainer.split(",") if a]
     ranks = TrainingClient(trainer, api_key=os.environ.get("ASYNCRL_TRAINER_KEY") or None,
-                           timeout=cfg.scheduler.trainer_timeout)
+                           timeout=spec.trainer_timeout)
     sender, master = None, "127.0.0.1"
-    if cfg.actor.weight_update_mode == "broadcast":
-        sender, master = ranks.weight_sender(
-            transfer_backend(r.backend, cuda=cfg.cluster.n_gpus_per_node > 0),
-            cfg.local_engine.dtype)
+    if spec.mode == "broadcast":
+        sender, master = ranks.weight_sender(transfer_backend(spec.backend, cuda=spec.cuda),
+                                             spec.dtype)
     publisher = make_publisher(
-        cfg.actor.weight_update_mode, engine, root=RunPaths.from_config(cfg).weights,
-        dtype=cfg.local_engine.dtype, bucket_mb=cfg.actor.weight_update_bucket_mb,
-        timeout=r.update_weights_timeout, master_address=master, sender=sender,
+        spec.mode, engine, root=Path(spec.weights_dir), dtype=spec.dtype,
+        bucket_mb=spec.bucket_mb, timeout=spec.update_weights_timeout,
+        master_address=master, sender=sender,
         run=lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result())
     service = WeightUpdateService(publisher, ranks, os.environ.get("ASYNCRL_API_KEY") or None)
 
@@ -122,7 +139,8 @@ async def serve(cfg: ExperimentConfig, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m asyncrl.controller.weight_update",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="the run's resolved config.yaml")
+    p.add_argument("--spec", required=True,
+                   help="the service's WeightUpdateSpec as JSON (<run>/specs/weight_update.json)")
     p.add_argument("--trainer", required=True, help="the training service's ranks, in order")
     add_inference_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -130,7 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(load_config(args.config, []), args))
+    try:
+        spec = read_spec(WeightUpdateSpec, args.spec)
+    except ConfigError as err:
+        p.error(str(err))
+    asyncio.run(serve(spec, args))
 
 
 class WeightUpdateClient:

@@ -7,7 +7,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.config import ExperimentConfig
 from asyncrl.models.hub import cache_dir
 
 
@@ -16,10 +15,11 @@ class RunPaths:
     root: Path
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig) -> RunPaths:
-        root = fileroot(cfg) / cfg.experiment_name / cfg.trial_name
-        root.mkdir(parents=True, exist_ok=True)
-        return cls(root)
+    def from_names(cls, root: str, experiment_name: str, trial_name: str) -> RunPaths:
+        """<root>/<experiment_name>/<trial_name>/ (made if missing); `root` as `fileroot`."""
+        run = fileroot(root) / experiment_name / trial_name
+        run.mkdir(parents=True, exist_ok=True)
+        return cls(run)
 
     @property
     def logs(self) -> Path:
@@ -37,11 +37,16 @@ class RunPaths:
     def recover(self) -> Path:
         return self.root / "recover"
 
+    def spec(self, role: str) -> Path:
+        """The spec file the controller writes for the processes of `role` (specs/<role>.json)."""
+        return self.root / "specs" / f"{role}.json"
 
-def fileroot(cfg: ExperimentConfig) -> Path:
-    """The folder of all runs' folders (cluster.fileroot, else the user cache's), resolved."""
-    root = Path(cfg.cluster.fileroot) if cfg.cluster.fileroot else cache_dir() / "experiments"
-    return root.expanduser().resolve()
+
+def fileroot(root: str) -> Path:
+    """The folder of all runs' folders: `root` (cluster.fileroot), else the user cache's,
+    resolved."""
+    path = Path(root) if root else cache_dir() / "experiments"
+    return path.expanduser().resolve()
 
 
 def setup_logging(root: Path) -> None:

@@ -113,7 +113,7 @@ def rank_spec(command: str, cfg: OfflineConfig, config_path: Path, reports: Path
 
 def launch(command: str, cfg: OfflineConfig) -> dict[str, Any]:
     """Start the ranks under the scheduler, wait for all; rank 0's summary, or an error."""
-    paths = RunPaths.from_config(cfg)
+    paths = RunPaths.from_names(cfg.cluster.fileroot, cfg.experiment_name, cfg.trial_name)
     setup_logging(paths.root)
     config_path = paths.root / "config.yaml"
     config_path.write_text(to_yaml(cfg))

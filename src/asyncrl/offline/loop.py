@@ -88,7 +88,8 @@ class OfflineTrainer:
         self._check_world_size()
         # Under torchrun or allocation_mode's ranks, only rank 0 writes the record.
         self.is_main = dist.get_rank() == 0
-        self.paths = RunPaths.from_config(cfg)
+        self.paths = RunPaths.from_names(cfg.cluster.fileroot, cfg.experiment_name,
+                                         cfg.trial_name)
         setup_logging(self.paths.root)
         if self.is_main:
             (self.paths.root / "config.yaml").write_text(to_yaml(cfg))

@@ -6,7 +6,7 @@ import torch
 
 from asyncrl.algorithms import make_value_loss_fn, value_stats
 from asyncrl.api import TensorBatch
-from asyncrl.config import CriticConfig, ExperimentConfig
+from asyncrl.config import CriticConfig
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.trainer import FSDPValueEngine, train_epochs
 
@@ -25,12 +25,12 @@ class Critic:
         self.loss_fn = make_value_loss_fn(cfg)
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig, total_steps: int) -> Critic | None:
-        """The initialised critic `cfg.critic` describes; None without one."""
-        if cfg.critic is None:
+    def from_config(cls, cfg: CriticConfig | None, *, total_steps: int, seed: int,
+                    device: str, epochs: int = 1) -> Critic | None:
+        """The initialised critic `cfg` (the `critic` section) describes; None without one."""
+        if cfg is None:
             return None
-        critic = cls(cfg.critic, total_steps=total_steps, seed=cfg.seed,
-                     device=cfg.cluster.device, epochs=cfg.actor.ppo_epochs)
+        critic = cls(cfg, total_steps=total_steps, seed=seed, device=device, epochs=epochs)
         critic.engine.initialize()
         return critic
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.config.schema import ExperimentConfig, MicroBatchSpec
+from asyncrl.config.schema import ActorConfig, MicroBatchSpec, RefConfig, TeacherConfig
 from asyncrl.trainer.engine import FSDPTrainEngine
 
 
@@ -42,33 +42,35 @@ class LoraBase:
         return self.actor.compute_base_logprobs(batch)
 
 
-def make_ref_engine(cfg: ExperimentConfig,
-                    actor: FSDPTrainEngine | None = None) -> FSDPTrainEngine | LoraBase | None:
+def make_ref_engine(actor: ActorConfig, ref: RefConfig, *, seed: int, device: str,
+                    actor_engine: FSDPTrainEngine | None = None
+                    ) -> FSDPTrainEngine | LoraBase | None:
     """The frozen reference model of the KL term (not initialised); None when kl_ctl is 0.
 
     It shares the actor's init_from_scratch (with the same seed: the same weights). With
     actor.use_lora and ref.path the actor's, it is `actor` with its adapters off.
     """
-    if cfg.actor.kl_ctl == 0:
+    if actor.kl_ctl == 0:
         return None
-    if cfg.actor.use_lora and cfg.ref.path == cfg.actor.path:
-        if actor is None:
+    if actor.use_lora and ref.path == actor.path:
+        if actor_engine is None:
             raise ValueError("make_ref_engine: a LoRA actor's reference is the actor itself; "
-                             "pass actor=")
-        return LoraBase(actor)
-    return frozen_engine(path=cfg.ref.path, dtype=cfg.ref.dtype, mb_spec=cfg.ref.mb_spec,
-                         seed=cfg.seed, device=cfg.cluster.device, temperature=cfg.actor.temperature,
-                         init_from_scratch=cfg.actor.init_from_scratch,
-                         shared_prefix=cfg.actor.shared_prefix)
+                             "pass actor_engine=")
+        return LoraBase(actor_engine)
+    return frozen_engine(path=ref.path, dtype=ref.dtype, mb_spec=ref.mb_spec, seed=seed,
+                         device=device, temperature=actor.temperature,
+                         init_from_scratch=actor.init_from_scratch,
+                         shared_prefix=actor.shared_prefix)
 
 
-def make_teacher_engine(cfg: ExperimentConfig) -> FSDPTrainEngine | None:
+def make_teacher_engine(actor: ActorConfig, teacher: TeacherConfig, *, seed: int,
+                        device: str) -> FSDPTrainEngine | None:
     """The distillation teacher (not initialised); None when actor.distill_coef is 0."""
-    if cfg.actor.distill_coef == 0:
+    if actor.distill_coef == 0:
         return None
-    return frozen_engine(path=cfg.teacher.path, dtype=cfg.teacher.dtype,
-                         mb_spec=cfg.teacher.mb_spec, seed=cfg.seed, device=cfg.cluster.device,
-                         temperature=cfg.actor.temperature, shared_prefix=cfg.actor.shared_prefix)
+    return frozen_engine(path=teacher.path, dtype=teacher.dtype, mb_spec=teacher.mb_spec,
+                         seed=seed, device=device, temperature=actor.temperature,
+                         shared_prefix=actor.shared_prefix)
 
 
 def check_shared_vocab(student_vocab: dict[str, int], teacher_vocab: dict[str, int],

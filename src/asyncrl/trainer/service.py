@@ -1,9 +1,10 @@
 """The training service: one process per trainer rank, and the controller's client of them.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
-        python -m asyncrl.trainer.service --config <run>/config.yaml --port 0
+        python -m asyncrl.trainer.service --spec <run>/specs/trainer.json --port 0
 
-Each process hosts an `RLWorker` (trainer/worker.py) and answers, in the order received
+Each process hosts an `RLWorker` (trainer/worker.py), built from the `TrainerSpec` the
+controller wrote (the run's config as one rank reads it), and answers, in the order received
 and one at a time (a rank's engine calls are collectives that every rank must enter in the
 same order):
 
@@ -29,11 +30,11 @@ Control is JSON; a batch travels as the bytes of a safetensors file of the `Tens
 fields (`encode_batch`), never as JSON numbers. When every rank is on the client's host the
 bytes are written once to shared memory (/dev/shm) and each rank is sent the file's name
 ({"batch_file": path}, only files named asyncrl-batch-* there are read). Paths to write or
-read must lie under cluster.fileroot. If $ASYNCRL_API_KEY is set, every route but /health
-and /openapi.json (the description, api/openapi.py) needs `Authorization: Bearer
-<key>`. A bad body answers 400, a path that does not exist 404, a call before the one it
-needs (/initialize, /weights/connect) 409, and a failing call 500, each with the error and
-the rank; `TrainingClient` raises it naming the rank and address.
+read must lie under cluster.fileroot (the spec's `fileroot`). If $ASYNCRL_API_KEY is set,
+every route but /health and /openapi.json (the description, api/openapi.py) needs
+`Authorization: Bearer <key>`. A bad body answers 400, a path that does not exist 404, a
+call before the one it needs (/initialize, /weights/connect) 409, and a failing call 500,
+each with the error and the rank; `TrainingClient` raises it naming the rank and address.
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ from safetensors.torch import save as save_safetensors
 from asyncrl.api import openapi
 from asyncrl.api.http import PUBLIC_PATHS, key_matches, serve_app
 from asyncrl.api.types import TensorBatch
-from asyncrl.config import load_config
+from asyncrl.config import ConfigError
+from asyncrl.config.specfile import read_spec
 from asyncrl.observe.paths import fileroot
-from asyncrl.trainer.worker import RLWorker
+from asyncrl.trainer.worker import RLWorker, TrainerSpec
 from asyncrl.weights.broadcast import BroadcastError, WeightSender, free_port
 from asyncrl.weights.ipc import IpcUnavailable
 from asyncrl.weights.transport import BucketLayout
@@ -538,28 +540,31 @@ class _RemoteGroup:
 # ---- the process ----------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m asyncrl.trainer.service",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="the run's config.yaml (resolved)")
+    p.add_argument("--spec", required=True,
+                   help="the rank's TrainerSpec as JSON (<run>/specs/trainer.json)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI entry point; RANK/WORLD_SIZE/MASTER_* from the scheduler, the key from $ASYNCRL_API_KEY."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        spec = read_spec(TrainerSpec, args.spec)
+    except ConfigError as err:
+        parser.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, args.overrides)
-
-    service = TrainingService(RLWorker(cfg), api_key=os.environ.get("ASYNCRL_API_KEY") or None,
-                              root=fileroot(cfg))
+    service = TrainingService(RLWorker(spec), api_key=os.environ.get("ASYNCRL_API_KEY") or None,
+                              root=fileroot(spec.fileroot))
     rank = os.environ.get("RANK", "0")
     asyncio.run(serve_app(service.app, host=args.host, port=args.port,
                           banner=f"asyncrl training service rank {rank}"))

@@ -1,19 +1,22 @@
 """What one trainer rank runs in RL: the actor, its frozen and critic companions, the step.
 
-`RLWorker` is built from the experiment config. Its `train(batch)` is the algorithm's whole
-step on a collated batch: proximal log-probs (or none when the training forward gives
-them), reference and teacher log-probs, critic values, advantages and returns, the actor's
-optimiser steps, the critic's. Every rank of a data-parallel world calls the same methods
-in the same order with the same full batch (each engine takes its own rows), so the
-controller can drive one rank in its own process (`scheduler.trainer=inline`) or N rank
-processes through the training service (`trainer/service.py`) the same way.
+`RLWorker` is built from a `TrainerSpec`, the part of the run's config a rank reads (the
+controller builds it, and writes it to a file for the training service's ranks). Its
+`train(batch)` is the algorithm's whole step on a collated batch: proximal log-probs (or
+none when the training forward gives them), reference and teacher log-probs, critic
+values, advantages and returns, the actor's optimiser steps, the critic's. Every rank of
+a data-parallel world calls the same methods in the same order with the same full batch
+(each engine takes its own rows), so the controller can drive one rank in its own process
+(`scheduler.trainer=inline`) or N rank processes through the training service
+(`trainer/service.py`) the same way.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,7 +28,7 @@ from asyncrl.algorithms import (
 )
 from asyncrl.algorithms.advantages import in_reward_kl_logprobs
 from asyncrl.api.types import TensorBatch
-from asyncrl.config import ExperimentConfig
+from asyncrl.config import ActorConfig, CriticConfig, RefConfig, TeacherConfig
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.trainer.critic import Critic
@@ -44,17 +47,35 @@ from asyncrl.weights.ipc import IpcExporter, IpcUnavailable
 logger = logging.getLogger(__name__)
 
 
-class RLWorker:
-    """One trainer rank of the PPO family: engines from `cfg`, one `train` call per batch."""
+@dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    """What one trainer rank reads of the run's config."""
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        self.cfg = cfg
+    actor: ActorConfig
+    ref: RefConfig  # loaded only when actor.kl_ctl > 0
+    teacher: TeacherConfig  # loaded only when actor.distill_coef > 0
+    critic: CriticConfig | None  # PPO's value model; None: no critic
+    seed: int  # random initial weights (init_from_scratch, a critic's head)
+    device: Literal["cpu", "cuda"]  # cluster.device
+    tokenizer_path: str  # the actor's tokenizer (the teacher's vocabulary is checked against it)
+    # The share of its GPU's memory the rank may take (a colocated server has the rest);
+    # None: no cap.
+    gpu_memory_fraction: float | None
+    # cluster.fileroot as configured: the training service writes and reads only under it.
+    fileroot: str
+
+
+class RLWorker:
+    """One trainer rank of the PPO family: engines from `spec`, one `train` call per batch."""
+
+    def __init__(self, spec: TrainerSpec) -> None:
+        self.spec = spec
         self.actor: FSDPTrainEngine | None = None
         self.ref: FSDPTrainEngine | LoraBase | None = None
         self.teacher: FSDPTrainEngine | None = None
-        self.critic = None  # trainer.critic.Critic when cfg.critic is set
+        self.critic = None  # trainer.critic.Critic when spec.critic is set
         self._ipc = None  # weights.ipc.IpcExporter, made by the first ipc_weights
-        actor = cfg.actor
+        actor = spec.actor
         # One optimiser step per batch: the proximal log-probs come from the training forward.
         self.prox_in_loss = actor.recompute_logprob and actor.updates_per_batch == 1
         self.loss_fn = with_distillation(
@@ -67,28 +88,31 @@ class RLWorker:
         """
         from transformers import AutoTokenizer
 
-        cfg = self.cfg
+        spec = self.spec
         if self.actor is not None:  # initialised again (a controller that reconnects): free
             self.destroy()  # the old engines, and the process group the old actor made
-        if cfg.colocated and cfg.cluster.device == "cuda":
+        if spec.gpu_memory_fraction is not None and spec.device == "cuda":
             # The GPU's other share is the colocated server's (rollout.gpu_memory_fraction):
             # past it this rank's allocator fails here rather than starve the server.
-            torch.cuda.set_per_process_memory_fraction(1 - cfg.rollout.gpu_memory_fraction,
-                                                       local_device(cfg.cluster.device))
+            torch.cuda.set_per_process_memory_fraction(spec.gpu_memory_fraction,
+                                                       local_device(spec.device))
         # The lr schedule counts optimiser steps: several per batch with minibatches or epochs.
-        self.actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor, device=cfg.cluster.device),
-                                     seed=cfg.seed,
-                                     total_steps=total_steps * cfg.actor.updates_per_batch)
+        self.actor = FSDPTrainEngine(TrainEngineSpec.of(spec.actor, device=spec.device),
+                                     seed=spec.seed,
+                                     total_steps=total_steps * spec.actor.updates_per_batch)
         self.actor.initialize()
-        self.ref = make_ref_engine(cfg, self.actor)
+        self.ref = make_ref_engine(spec.actor, spec.ref, seed=spec.seed, device=spec.device,
+                                   actor_engine=self.actor)
         if self.ref is not None:
             self.ref.initialize()
-        self.teacher = make_teacher_engine(cfg)
+        self.teacher = make_teacher_engine(spec.actor, spec.teacher, seed=spec.seed,
+                                           device=spec.device)
         if self.teacher is not None:
             self.teacher.initialize()
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.tokenizer_path))
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(spec.tokenizer_path))
             check_teacher_vocab(tokenizer, self.teacher)
-        self.critic = Critic.from_config(cfg, total_steps)
+        self.critic = Critic.from_config(spec.critic, total_steps=total_steps, seed=spec.seed,
+                                         device=spec.device, epochs=spec.actor.ppo_epochs)
         return {"rank": self.actor.rank, "world_size": self.actor.world_size}
 
     def _require_actor(self) -> FSDPTrainEngine:
@@ -98,7 +122,7 @@ class RLWorker:
 
     def train(self, tb: TensorBatch) -> dict[str, float]:
         """One RL step on `tb`: log-probs, advantages, the optimiser steps; `train/` stats."""
-        actor, cfg = self._require_actor(), self.cfg.actor
+        actor, cfg = self._require_actor(), self.spec.actor
         if cfg.recompute_logprob and not self.prox_in_loss:
             tb.prox_logprobs = actor.compute_logprobs(tb)
         if self.ref is not None:

@@ -324,14 +324,15 @@ def test_on_policy_distillation_keeps_a_kl_loss_to_the_reference():
 # ---- the teacher engine and a workflow without reward ----------------------------------------
 
 def test_no_teacher_engine_without_distillation():
-    assert make_teacher_engine(_load()) is None
+    cfg = _load()
+    assert make_teacher_engine(cfg.actor, cfg.teacher, seed=1, device="cpu") is None
 
 
 def test_teacher_engine_follows_the_teacher_section_and_loads_real_weights():
     cfg = _load("actor.distill_coef=0.1", "teacher.path=/m/t", "teacher.dtype=float32",
                 "teacher.mb_spec.max_tokens_per_mb=512", "actor.temperature=0.7",
                 "actor.init_from_scratch=true")
-    teacher = make_teacher_engine(cfg)
+    teacher = make_teacher_engine(cfg.actor, cfg.teacher, seed=cfg.seed, device="cpu")
     assert teacher is not None and teacher.model is None  # built, not loaded
     assert (teacher.spec.path, teacher.spec.dtype) == ("/m/t", "float32")
     assert teacher.spec.mb_spec.max_tokens_per_mb == 512 and teacher.spec.temperature == 0.7

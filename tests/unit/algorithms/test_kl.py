@@ -145,13 +145,14 @@ def test_bad_kl_options_name_the_key(override, message):
 
 
 def test_no_reference_engine_without_kl():
-    assert make_ref_engine(_load()) is None
+    cfg = _load()
+    assert make_ref_engine(cfg.actor, cfg.ref, seed=1, device="cpu") is None
 
 
 def test_reference_engine_follows_the_ref_section():
     cfg = _load("actor.kl_ctl=0.1", "ref.path=/m/ref", "ref.dtype=float32",
                 "ref.mb_spec.max_tokens_per_mb=512", "actor.temperature=0.7")
-    ref = make_ref_engine(cfg)
+    ref = make_ref_engine(cfg.actor, cfg.ref, seed=cfg.seed, device="cpu")
     assert ref is not None and ref.model is None  # built, not loaded
     assert (ref.spec.path, ref.spec.dtype) == ("/m/ref", "float32")
     assert ref.spec.mb_spec.max_tokens_per_mb == 512

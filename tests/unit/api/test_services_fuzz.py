@@ -22,6 +22,7 @@ from asyncrl.agents.proxy import AgentProxy
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.config import load_config
 from asyncrl.config.schema import LocalEngineConfig
+from asyncrl.controller.specs import build_trainer_spec
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.openai.routes import openai_app
@@ -119,7 +120,7 @@ def test_the_gateway_and_the_proxy_refuse_large_bodies_and_survive_idle_connecti
 def worker(model, tmp_path):
     cfg = load_config(None, [f"cluster.fileroot={tmp_path / 'runs'}", f"actor.path={model}",
                              "actor.dtype=float32", "train_dataset.path=unused.jsonl"])
-    worker = RLWorker(cfg)
+    worker = RLWorker(build_trainer_spec(cfg))
     yield worker
     worker.destroy()
     assert not dist.is_initialized()  # also after the test's second /initialize

@@ -1,13 +1,24 @@
 """What an RL run asks its scheduler for: the inference and trainer roles, keys, placement."""
 
+from dataclasses import replace
 from pathlib import Path
 
+from asyncrl.agents.service import AgentServiceSpec
 from asyncrl.config import load_config
+from asyncrl.config.specfile import read_spec
 from asyncrl.controller.launch import launch
+from asyncrl.controller.placement import Placement
+from asyncrl.controller.specs import (
+    build_agent_spec,
+    build_trainer_spec,
+    build_weight_update_spec,
+    run_paths,
+)
+from asyncrl.controller.weight_update import WeightUpdateSpec
 from asyncrl.launch.base import Worker
 from asyncrl.launch.local import rank_cores
-from asyncrl.observe.paths import RunPaths
 from asyncrl.trainer.service import TrainingClient
+from asyncrl.trainer.worker import TrainerSpec
 
 
 class RecordingScheduler:
@@ -28,7 +39,11 @@ def _launch(tmp_path, tiny_path, *overrides):
                              "train_dataset.path=unused.jsonl", "scheduler.type=ray",
                              "cluster.n_nodes=2", *overrides])
     scheduler = RecordingScheduler()
-    return launch(cfg, RunPaths.from_config(cfg), scheduler), scheduler.specs
+    return launch(cfg, run_paths(cfg), scheduler), scheduler.specs
+
+
+def _spec_file(command):
+    return Path(command[command.index("--spec") + 1])
 
 
 def test_off_the_machine_servers_and_ranks_take_per_run_keys(tmp_path, tiny_path):
@@ -42,7 +57,20 @@ def test_off_the_machine_servers_and_ranks_take_per_run_keys(tmp_path, tiny_path
     assert len(services.inference_key) == 32
     assert ranks.role == "trainer" and ranks.count == 2 and ranks.torch_distributed
     assert ranks.cpus == 3 and "asyncrl.trainer.service" in ranks.command
-    assert str(Path(tmp_path) / "asyncrl" / "trial0" / "config.yaml") in ranks.command
+    assert services.placement == Placement(trainer="service", router="service",
+                                           agent="inline", weight_update="service")
+    # Each service process reads its own spec, written into the run's folder.
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
+                             "train_dataset.path=unused.jsonl", "scheduler.type=ray",
+                             "cluster.n_nodes=2", "allocation_mode=local:d2+fsdp:d2",
+                             "scheduler.trainer_threads=3"])
+    run = Path(tmp_path) / "asyncrl" / "trial0"
+    assert _spec_file(ranks.command) == run / "specs" / "trainer.json"
+    assert read_spec(TrainerSpec, _spec_file(ranks.command)) == build_trainer_spec(cfg)
+    assert _spec_file(weights.command) == run / "specs" / "weight_update.json"
+    assert read_spec(WeightUpdateSpec, _spec_file(weights.command)) == \
+        build_weight_update_spec(cfg, run / "weights")
+    assert "--config" not in ranks.command + weights.command
     assert isinstance(services.trainer, TrainingClient)
     assert services.trainer.api_key == ranks.env["ASYNCRL_API_KEY"] != services.inference_key
     assert services.trainer.addresses == ["http://10.0.0.9:9000", "http://10.0.0.9:9001"]
@@ -103,7 +131,7 @@ def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path,
         cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
                                  "train_dataset.path=unused.jsonl", *overrides])
         scheduler = Recording()
-        scheduler.services = launch(cfg, RunPaths.from_config(cfg), scheduler)
+        scheduler.services = launch(cfg, run_paths(cfg), scheduler)
         return scheduler
 
     shared = run()
@@ -121,3 +149,20 @@ def test_on_one_cpu_machine_servers_and_the_inline_trainer_share_cores(tmp_path,
         fixed = run(*off)
         assert fixed.specs[0].affinity is None and cores.ENV not in fixed.specs[0].env
         assert fixed.pinned[1] is None
+
+
+def test_the_agent_services_spec_file_holds_no_admin_key(tmp_path, tiny_path):
+    services, specs = _launch(tmp_path, tiny_path, "workflow.type=agent", "agent.fn=a:b",
+                              "agent.admin_key=the-admin-key")
+    [agent] = [s for s in specs if s.role == "agent"]
+    assert agent.env["ASYNCRL_ADMIN_KEY"] == "the-admin-key"  # from its environment only
+    file = _spec_file(agent.command)
+    assert file.name == "agent.json" and "the-admin-key" not in file.read_text()
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
+                             "train_dataset.path=unused.jsonl", "scheduler.type=ray",
+                             "cluster.n_nodes=2", "workflow.type=agent", "agent.fn=a:b",
+                             "agent.admin_key=the-admin-key"])
+    spec = read_spec(AgentServiceSpec, file)
+    assert spec.agent.fn == "a:b" and spec.model_name == tiny_path and spec.backend == "local"
+    assert spec == replace(build_agent_spec(cfg), agent=replace(cfg.agent, admin_key=None))
+    assert services.placement.agent == "service"

@@ -9,8 +9,8 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.allocation import Allocation, parse_allocation_mode
 from asyncrl.config.schema import SchedulerConfig
 from asyncrl.controller.launch import launch
+from asyncrl.controller.specs import build_trainer_spec, run_paths
 from asyncrl.launch.local import LocalScheduler, SchedulerError, _Proc
-from asyncrl.observe.paths import RunPaths
 
 
 def _load(*overrides):
@@ -157,7 +157,7 @@ def _started(tmp_path, tiny_path, *overrides, waited=None):
     cfg = load_config(None, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_path}",
                              "train_dataset.path=unused.jsonl", *overrides])
     scheduler = RecordingScheduler(tmp_path / "logs")
-    launch(cfg, RunPaths.from_config(cfg), scheduler)
+    launch(cfg, run_paths(cfg), scheduler)
     if waited is not None:
         waited.update(scheduler.waited)
     return {(role, i): (argv, env) for role, i, argv, env in scheduler.started}
@@ -265,5 +265,5 @@ def test_a_colocated_cuda_rank_caps_its_allocator_on_its_own_gpu(monkeypatch):
 
     monkeypatch.setattr(worker, "FSDPTrainEngine", stop)
     with pytest.raises(Loaded):
-        worker.RLWorker(cfg).initialize(total_steps=1)
+        worker.RLWorker(build_trainer_spec(cfg)).initialize(total_steps=1)
     assert calls == ["cuda", (pytest.approx(0.7), 0)]

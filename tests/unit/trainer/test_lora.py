@@ -135,7 +135,7 @@ def test_the_kl_reference_is_the_base_with_adapters_off_and_no_second_model(tiny
     base = F.pad(picked * batch.attention_mask[:, 1:], (1, 0))
     cfg = load_config(None, ["train_dataset.path=x", f"actor.path={tiny_path}",
                              "actor.use_lora=true", "actor.kl_ctl=0.1"])
-    ref = make_ref_engine(cfg, engine)
+    ref = make_ref_engine(cfg.actor, cfg.ref, seed=cfg.seed, device="cpu", actor_engine=engine)
     assert isinstance(ref, LoraBase)
     ref.initialize()
     torch.testing.assert_close(ref.compute_logprobs(batch), base, atol=1e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.offline import SFTConfig
+from asyncrl.controller.specs import build_trainer_spec
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.offline.loop import OfflineTrainer
 from asyncrl.trainer.dist import local_device, process_group_backend
@@ -54,7 +55,7 @@ def test_backend_is_gloo_on_cpu_and_gloo_beside_nccl_on_cuda():
 def test_rl_rank_without_configured_gpus_stays_on_cpu_when_a_gpu_shows(tmp_path, tiny,
                                                                         cuda_shows):
     assert not dist.is_initialized()
-    worker = RLWorker(rl_config(tmp_path, tiny, gpus=0))
+    worker = RLWorker(build_trainer_spec(rl_config(tmp_path, tiny, gpus=0)))
     try:
         assert worker.initialize(total_steps=1) == {"rank": 0, "world_size": 1}
         assert worker.actor.device == torch.device("cpu")
@@ -74,7 +75,7 @@ def test_offline_trainer_without_configured_gpus_makes_a_gloo_group_when_a_gpu_s
 
 
 def test_rl_rank_asked_for_cuda_without_cuda_names_the_key(tmp_path, tiny, no_cuda):
-    worker = RLWorker(rl_config(tmp_path, tiny, gpus=1))
+    worker = RLWorker(build_trainer_spec(rl_config(tmp_path, tiny, gpus=1)))
     with pytest.raises(ConfigError, match=r"cluster\.n_gpus_per_node > 0 puts the trainer ranks "
                                           r"on CUDA, but this process sees no CUDA device.*"
                                           r"set cluster\.n_gpus_per_node=0"):

@@ -13,7 +13,9 @@ import torch
 from batches import random_batch
 from safetensors.torch import load_file
 
-from asyncrl.config import load_config, to_yaml
+from asyncrl.config import load_config
+from asyncrl.config.specfile import write_spec
+from asyncrl.controller.specs import build_trainer_spec
 from asyncrl.trainer.dist import free_port
 from asyncrl.trainer.service import (
     TrainingClient,
@@ -84,7 +86,7 @@ def _batch():
     return tb
 
 
-def _start_ranks(config_path, world_size, **env_extra):
+def _start_ranks(spec_path, world_size, **env_extra):
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -92,7 +94,7 @@ def _start_ranks(config_path, world_size, **env_extra):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    **env_extra)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.trainer.service", "--config", str(config_path),
+            [sys.executable, "-m", "asyncrl.trainer.service", "--spec", str(spec_path),
              "--port", "0", "--threads", "1"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     addresses = []
@@ -120,9 +122,8 @@ def _stop(procs):
 
 def test_two_service_ranks_train_like_one_inline_rank(tiny_path, tmp_path):
     cfg = _config(tmp_path, tiny_path)
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(to_yaml(cfg))
-    procs, addresses = _start_ranks(config_path, 2)
+    spec_path = write_spec(build_trainer_spec(cfg), tmp_path / "trainer.json")
+    procs, addresses = _start_ranks(spec_path, 2)
     try:
         client = TrainingClient(addresses, timeout=120)
         assert client.shared_memory  # both ranks on this host: batches go through /dev/shm
@@ -138,7 +139,7 @@ def test_two_service_ranks_train_like_one_inline_rank(tiny_path, tmp_path):
         _stop(procs)
     assert not list(Path("/dev/shm").glob("asyncrl-batch-*"))  # each removed after its call
 
-    worker = RLWorker(cfg)
+    worker = RLWorker(build_trainer_spec(cfg))
     try:
         assert worker.initialize(total_steps=3) == {"rank": 0, "world_size": 1}
         torch.testing.assert_close(two_logprobs, worker.compute_logprobs(_batch()),
@@ -160,9 +161,8 @@ def test_two_service_ranks_train_like_one_inline_rank(tiny_path, tmp_path):
 
 def test_a_dead_rank_is_reported_by_rank_within_the_timeout(tiny_path, tmp_path):
     cfg = _config(tmp_path, tiny_path)
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(to_yaml(cfg))
-    procs, addresses = _start_ranks(config_path, 1)
+    spec_path = write_spec(build_trainer_spec(cfg), tmp_path / "trainer.json")
+    procs, addresses = _start_ranks(spec_path, 1)
     _stop(procs)
     client = TrainingClient(addresses, timeout=5)
     t0 = time.monotonic()
@@ -172,9 +172,9 @@ def test_a_dead_rank_is_reported_by_rank_within_the_timeout(tiny_path, tmp_path)
 
 
 def test_with_an_api_key_every_call_but_health_needs_it(tiny_path, tmp_path):
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(to_yaml(_config(tmp_path, tiny_path)))
-    procs, addresses = _start_ranks(config_path, 1, ASYNCRL_API_KEY="s3cret")
+    spec_path = write_spec(build_trainer_spec(_config(tmp_path, tiny_path)),
+                           tmp_path / "trainer.json")
+    procs, addresses = _start_ranks(spec_path, 1, ASYNCRL_API_KEY="s3cret")
     try:
         for key in (None, "wrong"):
             with pytest.raises(TrainingServiceError, match="answered 401: missing or wrong API key"):
@@ -191,7 +191,7 @@ def test_initialising_again_frees_the_old_engines_and_their_process_group(tiny_p
     import torch.distributed as dist
 
     assert not dist.is_initialized(), "an earlier test left a process group"
-    worker = RLWorker(_config(tmp_path, tiny_path))
+    worker = RLWorker(build_trainer_spec(_config(tmp_path, tiny_path)))
     worker.initialize(total_steps=2)
     first = worker.actor
     worker.initialize(total_steps=2)

@@ -22,6 +22,7 @@ from serving import serving
 from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.controller.specs import build_trainer_spec
 from asyncrl.inference.client import RemoteInferenceEngine
 from asyncrl.inference.client.base import WeightIpc
 from asyncrl.inference.client.vllm import VLLMInferenceEngine, ipc_update_info
@@ -239,7 +240,7 @@ def test_weights_copied_by_ipc_equal_the_trainers_and_give_its_logprobs(trainer,
 def test_a_cpu_trainer_rank_refuses_to_export_naming_disk(tiny_path):
     cfg = load_config(None, [f"actor.path={tiny_path}", "train_dataset.path=x",
                              "actor.dtype=float32"])
-    worker = RLWorker(cfg)
+    worker = RLWorker(build_trainer_spec(cfg))
     service = TrainingService(worker)
     try:
         with serving(service.app) as url:
