@@ -110,3 +110,22 @@ def test_a_run_that_does_not_fit_says_which_keys_to_change(capsys):
 def test_an_unknown_hub_model_asks_for_a_local_folder():
     with pytest.raises(FileNotFoundError, match="give its local HF folder"):
         ModelShape.of("nobody/none-7B")
+
+
+def test_a_lora_run_trains_only_the_adapters_and_keeps_no_reference_copy(tmp_path):
+    from asyncrl.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m")
+    shape = ModelShape.of(path)
+    args = [DATA, f"actor.path={path}", f"tokenizer_path={path}", "actor.kl_ctl=0.1"]
+    full = plan_run(load_config(None, args), device_bytes=64 * GiB)
+    lora = plan_run(load_config(None, args + ["actor.use_lora=true", "actor.lora_rank=4",
+                                              "actor.target_modules=[q_proj,v_proj]"]),
+                    device_bytes=64 * GiB)
+    adapters = shape.lora_params(4, ["q_proj", "v_proj"])
+    assert lora.trainer["gradients (fp32)"] == 4 * adapters
+    assert lora.trainer["optimiser (AdamW fp32)"] == 8 * adapters
+    assert full.trainer["gradients (fp32)"] == 4 * shape.n_params
+    # the KL reference: a second model without LoRA, the base itself with it
+    assert "reference/teacher weights" in full.trainer
+    assert "reference/teacher weights" not in lora.trainer
