@@ -77,6 +77,8 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     kv_current: bool = True  # its cached keys and values come from the current weights
+    # MoE: the experts chosen for its tokens so far, in order, as chunks [n, layers, top_k]
+    routes: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -87,10 +89,14 @@ class _Seq:
         return self.req.input_ids + self.output_ids[:-1]
 
     def response(self, reason: StopReason) -> GenerationResponse:
+        routes = None
+        if self.routes:  # the newest token was never run through the model: -1
+            routes = torch.cat(self.routes)
+            routes = torch.cat([routes, torch.full_like(routes[:1], -1)])
         return GenerationResponse(
             rid=self.req.rid, input_ids=list(self.req.input_ids), output_ids=self.output_ids,
             output_logprobs=self.logprobs, output_versions=self.versions, stop_reason=reason,
-            latency_s=time.monotonic() - self.t_submit)
+            latency_s=time.monotonic() - self.t_submit, routed_experts=routes)
 
 
 def eos_token_ids(path: str, tokenizer) -> list[int]:
@@ -411,7 +417,10 @@ class LocalEngine:
         self._record(start, tokens, logprobs)
 
     def _prefill(self, seqs: list[_Seq], start: int, token_lists: list[list[int]]) -> torch.Tensor:
-        """Prefill `token_lists` into slots start.., in budget-sized chunks; last logits [n, V]."""
+        """Prefill `token_lists` into slots start.., in budget-sized chunks; last logits [n, V].
+
+        MoE: each sequence's recorded experts become those of its prefilled tokens (a
+        recomputed cache's tokens are routed again under the new weights)."""
         out, i = [], 0
         while i < len(seqs):
             j, width = i + 1, len(token_lists[i])
@@ -427,6 +436,10 @@ class LocalEngine:
             lengths = torch.tensor([len(t) for t in chunk])
             out.append(self.model.prefill(tokens.to(self.device), lengths.to(self.device),
                                           self.cache, start + i))
+            if self.model.last_routes is not None:
+                routes = self.model.last_routes.cpu()
+                for r, toks in enumerate(chunk):
+                    seqs[i + r].routes = [routes[r, :len(toks)]]
             i = j
         return torch.cat(out)
 
@@ -508,6 +521,10 @@ class LocalEngine:
             self._sampling = SamplingBatch.from_params(params, self.device)
         kv_len = max(s.n_tokens for s in self._active)  # positions so far, newest token included
         logits = self.model.decode(self._last_token[:n], self._position[:n], self.cache, kv_len)
+        if self.model.last_routes is not None:
+            routes = self.model.last_routes.cpu()
+            for i, seq in enumerate(self._active):
+                seq.routes.append(routes[i:i + 1])
         tokens, logprobs = sample(logits, self._sampling, self._generator,
                                   _draws(self._sampling, self._active))
         self._last_token[:n] = tokens
