@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from asyncrl.algorithms import compute_advantages, make_ppo_loss_fn
 from asyncrl.api.types import Batch, GenerationRequest, SamplingParams, Trajectory
-from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.algorithm import NormConfig
+from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import ActorConfig, LocalEngineConfig, OptimizerConfig
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
