@@ -15,6 +15,9 @@ that fails half-way leaves the served weights and version as they were.
 
 `step()` can also be driven by hand (without `start()`), which makes tests deterministic.
 
+A Mixture-of-Experts model's responses carry the experts each MoE layer chose for each
+token the engine ran (prefill and decode), for routing replay in the trainer.
+
 One thread does the multi-threaded torch work of a serving process (`LocalEngine.spawn`
 loads the model and runs the loop in the same thread; weights for an update are prepared
 single-threaded). libgomp throttles its spin-waiting for good once threads of more than one
