@@ -137,3 +137,28 @@ def test_a_grpo_step_with_replay_raises_the_rewarded_completion(rollout, perturb
     gain = ((after - before) * tb.loss_mask).sum(-1)
     assert gain[0] > 0 > gain[1]
     engine.destroy()
+
+
+def test_the_trainers_published_weights_serve_its_own_logprobs(moe_path, rollout):
+    """After a step, the trainer's weights under their in-memory names (stacked experts)
+    load into the engine, whose next rollout's log-probs are the trainer's (fp32)."""
+    engine = make_engine(moe_path)
+    engine.train_batch(rollout.to_tensors(), lambda lp, mb, *, n_tokens, n_seqs: (
+        -(lp * mb.loss_mask).sum() / n_tokens, {}))
+    weights = engine.hf_state_dict()
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in weights)
+    server = LocalEngine(moe_path, LocalEngineConfig(dtype="float32", max_batch_size=1,
+                                                     max_seq_len=64), seed=1)
+    server.load_weights(weights.items(), version=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    req = GenerationRequest(input_ids=PROMPT, sampling=params)
+    out: dict = {}
+    server.submit(req, lambda resp: out.__setitem__(req.rid, resp))
+    while not out:
+        server.step()
+    tb = Batch([Trajectory.from_response(out[req.rid], reward=0.0, group_id="g")]).to_tensors()
+    assert (tb.versions[tb.loss_mask > 0] == 1).all()
+    ours = engine.compute_logprobs(tb)
+    mask = tb.loss_mask > 0
+    torch.testing.assert_close(ours[mask], tb.behavior_logprobs[mask], atol=FP32_TOL, rtol=0)
+    engine.destroy()
