@@ -8,6 +8,7 @@ alignment, so the three log-probabilities of the decoupled objective line up ind
 
 from __future__ import annotations
 
+import base64
 import enum
 import uuid
 from dataclasses import dataclass, field
@@ -111,9 +112,38 @@ class GenerationRequest:
                    rid=d.get("rid") or uuid.uuid4().hex)
 
 
+def _check_routes(routes: torch.Tensor | None, n_tokens: int, what: str) -> None:
+    """ValueError unless `routes` is None or int16 [n_tokens, MoE layers, top_k]."""
+    if routes is None:
+        return
+    if routes.dtype != torch.int16 or routes.dim() != 3 or routes.shape[0] != n_tokens:
+        raise ValueError(f"{what}: routed_experts must be int16 [{n_tokens} tokens, MoE layers, "
+                         f"top_k], got {routes.dtype} {list(routes.shape)}")
+
+
+def encode_routes(routes: torch.Tensor) -> dict[str, Any]:
+    """int16 routed experts as JSON: the shape and the little-endian bytes in base64."""
+    data = routes.contiguous().numpy().astype("<i2").tobytes()
+    return {"shape": list(routes.shape), "int16": base64.b64encode(data).decode("ascii")}
+
+
+def decode_routes(d: dict[str, Any]) -> torch.Tensor:
+    """The tensor `encode_routes` encoded."""
+    import numpy as np
+
+    data = np.frombuffer(base64.b64decode(d["int16"]), dtype="<i2").astype(np.int16)
+    return torch.from_numpy(data.copy()).view(*d["shape"])
+
+
 @dataclass(kw_only=True)
 class GenerationResponse:
-    """One finished completion: its tokens, their log-probs and weight versions."""
+    """One finished completion: its tokens, their log-probs and weight versions.
+
+    `routed_experts` (MoE models, where the server records them; else None): int16 [prompt
+    + output tokens, MoE layers, top_k], row t the experts each MoE layer chose for token t
+    when the server ran it through the model. The last token, sampled but never run, holds
+    -1 (the trainer's own routing; no log-prob depends on it).
+    """
 
     rid: str
     input_ids: list[int]
@@ -122,6 +152,7 @@ class GenerationResponse:
     output_versions: list[int]
     stop_reason: StopReason
     latency_s: float = 0.0
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -130,10 +161,11 @@ class GenerationResponse:
                 f"response {self.rid}: {n} output ids but {len(self.output_logprobs)} logprobs "
                 f"and {len(self.output_versions)} versions"
             )
+        _check_routes(self.routed_experts, len(self.input_ids) + n, f"response {self.rid}")
         self.stop_reason = StopReason(self.stop_reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "rid": self.rid,
             "input_ids": self.input_ids,
             "output_ids": self.output_ids,
@@ -142,12 +174,17 @@ class GenerationResponse:
             "stop_reason": self.stop_reason.value,
             "latency_s": self.latency_s,
         }
+        if self.routed_experts is not None:
+            out["routed_experts"] = encode_routes(self.routed_experts)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerationResponse:
+        routes = d.get("routed_experts")
         return cls(**{k: d[k] for k in (
             "rid", "input_ids", "output_ids", "output_logprobs", "output_versions", "stop_reason"
-        )}, latency_s=d.get("latency_s", 0.0))
+        )}, latency_s=d.get("latency_s", 0.0),
+            routed_experts=decode_routes(routes) if routes is not None else None)
 
 
 @dataclass(kw_only=True)
@@ -162,6 +199,9 @@ class Trajectory:
     group_id: str
     stop_reason: StopReason = StopReason.STOP
     meta: dict[str, Any] = field(default_factory=dict)
+    # MoE: the experts the rollout chose per token (GenerationResponse.routed_experts'
+    # layout, one row per token of input_ids, -1 where not recorded); None: not recorded.
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -171,6 +211,7 @@ class Trajectory:
                     f"trajectory {self.group_id}: {name} has {len(getattr(self, name))} entries, "
                     f"input_ids has {n}"
                 )
+        _check_routes(self.routed_experts, n, f"trajectory {self.group_id}")
         self.stop_reason = StopReason(self.stop_reason)
 
     @classmethod
@@ -187,6 +228,7 @@ class Trajectory:
             group_id=group_id,
             stop_reason=resp.stop_reason,
             meta=dict(meta or {}),
+            routed_experts=resp.routed_experts,
         )
 
     @property
@@ -229,6 +271,9 @@ class TensorBatch:
     # `Batch.to_tensors`, so groups may differ in size (agent sessions); None: rows form
     # groups of the configured group_size.
     group_index: torch.Tensor | None = None
+    # [B, T, MoE layers, top_k] int16: the experts the rollout chose per token, -1 where
+    # not recorded (the trainer routes those itself); None: no row recorded any.
+    routed_experts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -244,7 +289,7 @@ class TensorBatch:
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
-            return t[idx][:, :width] if t.dim() == 2 else t[idx]
+            return t[idx][:, :width] if t.dim() >= 2 else t[idx]
         return TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__})
 
 
@@ -292,7 +337,24 @@ class Batch:
             versions=pad([t.versions for t in trajs], -1, torch.long),
             rewards=self.rewards,
             group_index=group_numbers(self.group_ids),
+            routed_experts=self._routes(width),
         )
+
+    def _routes(self, width: int) -> torch.Tensor | None:
+        """The rows' routed experts, right-padded with -1 (rows without any: all -1)."""
+        recorded = [t.routed_experts for t in self.trajectories if t.routed_experts is not None]
+        if not recorded:
+            return None
+        shape = recorded[0].shape[1:]
+        if any(r.shape[1:] != shape for r in recorded):
+            raise ValueError("trajectories carry routed experts of different shapes "
+                             f"{sorted({tuple(r.shape[1:]) for r in recorded})} (MoE layers, "
+                             "top_k): they come from different models")
+        out = torch.full((len(self.trajectories), width, *shape), -1, dtype=torch.int16)
+        for i, t in enumerate(self.trajectories):
+            if t.routed_experts is not None:
+                out[i, :t.n_tokens] = t.routed_experts
+        return out
 
 
 def group_numbers(group_ids: list[str]) -> torch.Tensor:

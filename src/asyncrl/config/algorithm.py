@@ -119,6 +119,15 @@ class ActorConfig:
     # once per micro-batch, as a token trie with exact gradients (trainer/prefix.py); the
     # reference and teacher log-probs follow this switch.
     shared_prefix: bool = False
+    # Mixture-of-Experts models: add router_aux_loss_coef * the router load-balancing loss
+    # (HF's load_balancing_loss_func, over each micro-batch's tokens; the model config's own
+    # router_aux_loss_coef is not used). 0: off.
+    router_aux_loss_coef: float = 0.0
+    # Mixture-of-Experts models: the trainer's forwards route every token to the experts the
+    # inference server chose for it during the rollout (prompt tokens included) instead of
+    # their own top k, so the trained log-probs score the sampled routing. Needs servers that
+    # record them (the local backend) and shared_prefix=false.
+    routing_replay: bool = False
     # How each training batch is cut into forward/backward micro-batches.
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     # The actor's AdamW and lr schedule (which counts ppo_n_minibatches * ppo_epochs steps per
@@ -212,6 +221,12 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         _check(self.temperature > 0, "actor.temperature must be > 0 (use 1.0 when sampling greedily)")
+        _check(self.router_aux_loss_coef >= 0,
+               f"actor.router_aux_loss_coef must be >= 0 (0 turns it off), got "
+               f"{self.router_aux_loss_coef}")
+        _check(not (self.routing_replay and self.shared_prefix),
+               "actor.routing_replay=true needs each row's own prompt tokens, and "
+               "actor.shared_prefix=true shares them between rows; set one of them to false")
         _check(self.weight_update_mode in ("disk", "broadcast", "ipc"),
                f"actor.weight_update_mode must be one of ('disk', 'broadcast', 'ipc'), got "
                f"{self.weight_update_mode!r}")

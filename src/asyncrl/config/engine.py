@@ -81,6 +81,10 @@ class TrainEngineSpec:
     lora_alpha: int = 16
     target_modules: tuple[str, ...] = ("all-linear",)
     peft_type: str = "lora"
+    # Mixture of Experts (trainer/moe.py): the router load-balancing loss's coefficient (0:
+    # off), and routing replay (the rollout's recorded experts instead of the router's own).
+    router_aux_loss_coef: float = 0.0
+    routing_replay: bool = False
     # Where the rank computes. Not a key of any section: the trainer that builds the spec
     # sets it from cluster.n_gpus_per_node (`ClusterConfig.device`), never from the host.
     device: Literal["cpu", "cuda"] = "cpu"

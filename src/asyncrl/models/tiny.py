@@ -11,6 +11,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A tiny qwen3_moe's MoE keys: 8 experts, 2 per token, in every layer.
+TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
+            "output_router_logits": False, "router_aux_loss_coef": 0.0}
 
 
 def make_tiny_tokenizer():
@@ -39,10 +43,11 @@ def make_tiny_model(path: str | Path, *, arch: str = "llama", seed: int = 0,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
                     num_kv_heads: int = 1, head_dim: int = 32, intermediate_size: int = 128,
                     tie_word_embeddings: bool = True, max_position_embeddings: int = 2048,
-                    vocab_size: int | None = None) -> str:
-    """Save a randomly initialised `arch` model (llama | qwen2 | qwen3) and tokenizer to `path`.
-    `vocab_size`: the embedding's rows (default: the tokenizer's, rounded up to 64); a larger
-    one gives a real model's head cost to a benchmark that feeds token ids itself."""
+                    vocab_size: int | None = None, moe: dict | None = None) -> str:
+    """Save a randomly initialised `arch` model (llama | qwen2 | qwen3 | qwen3_moe) and
+    tokenizer to `path`. `vocab_size`: the embedding's rows (default: the tokenizer's,
+    rounded up to 64); a larger one gives a real model's head cost to a benchmark that
+    feeds token ids itself. `moe`: qwen3_moe's config keys over TINY_MOE's."""
     import torch
     import transformers
 
@@ -65,9 +70,14 @@ def make_tiny_model(path: str | Path, *, arch: str = "llama", seed: int = 0,
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     if arch not in classes:
         raise ValueError(f"arch {arch!r} is not one of {sorted(classes)}")
+    if arch == "qwen3_moe":
+        common |= TINY_MOE | (moe or {})
+    elif moe:
+        raise ValueError(f"moe={moe} is for arch='qwen3_moe', not {arch!r}")
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common))
@@ -75,8 +85,8 @@ def make_tiny_model(path: str | Path, *, arch: str = "llama", seed: int = 0,
     # model peaked, input-dependent distributions, which makes sampling tests meaningful.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2 if "embed" in name else 1.0 / p.shape[1] ** 0.5)
+            if p.dim() >= 2:  # 3: stacked experts [experts, out, in]
+                p.normal_(0.0, 0.2 if "embed" in name else 1.0 / p.shape[-1] ** 0.5)
     path = Path(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

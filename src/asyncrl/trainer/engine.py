@@ -62,6 +62,7 @@ from asyncrl.trainer.cpu.precision import ComputeWeights
 from asyncrl.trainer.cpu.rope import use_fused_rope
 from asyncrl.trainer.dist import init_process_group, local_device
 from asyncrl.trainer.microbatch import plan_micro_batches, to_device
+from asyncrl.trainer.moe import MoeTraining
 from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,16 @@ def _check_packable(model: nn.Module) -> None:
                          f"{sorted(layer_types)}; set shared_prefix to false")
 
 
+def _real_rows(mb: TensorBatch, pack: PrefixPack | None) -> torch.Tensor:
+    """Which rows of the decoder's flattened input are real tokens: [B * T] for padded rows,
+    [N + P] for a trie's nodes (padding nodes are not)."""
+    if pack is None:
+        return mb.attention_mask.reshape(-1)
+    real = torch.zeros(pack.input_ids.numel(), dtype=torch.bool, device=pack.slots.device)
+    real[pack.node_of[pack.node_of >= 0]] = True
+    return real[pack.slots]
+
+
 def targets_all(mb: TensorBatch) -> torch.Tensor:
     """Every real token after the first (the first has no context to be predicted from)."""
     targets = mb.attention_mask.clone()
@@ -277,6 +288,7 @@ class FSDPTrainEngine:
         self._owns_process_group = False
         self.lora_config: Any = None  # PEFT's LoraConfig with spec.use_lora (trainer/lora.py)
         self._base_path = ""  # the model the weights (the base, with LoRA) come from
+        self._moe: MoeTraining | None = None  # MoE models: aux loss, routing replay
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -295,6 +307,9 @@ class FSDPTrainEngine:
         _check_no_dropout(hf_model.config)
         if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too
             self.lora_config = lora.add_adapters(hf_model, self.spec)
+        self._moe = MoeTraining(hf_model, aux_loss_coef=self.spec.router_aux_loss_coef,
+                                replay=self.spec.routing_replay,
+                                shared_prefix=self.spec.shared_prefix)
         use_fused_norms(hf_model)  # bf16 on the CPU: trainer/cpu/norm.py
         if self.device.type == "cpu" and self.spec.dtype == "bfloat16":
             # Only where they apply: elsewhere the modules stay HF's own, untouched.
@@ -443,12 +458,14 @@ class FSDPTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         mb_stats, loss_sum = [], 0.0
         micro_batches = self._my_micro_batches(batch)
+        n_real = int(batch.attention_mask.sum())
         with self._computing():
             for rows, real in micro_batches:
                 mb = to_device(batch.select(rows), self.device)
                 out, forward_stats = self._train_forward(model, mb, n_tokens)
                 loss, stats = loss_fn(out, mb, n_tokens=n_tokens, n_seqs=n_seqs)
                 stats |= forward_stats
+                loss = self._moe.add_aux_loss(loss, stats, int(mb.attention_mask.sum()) / n_real)
                 if not real:
                     loss = loss * 0.0  # keeps FSDP's collectives in step with busier ranks
                 loss.backward()
@@ -492,7 +509,12 @@ class FSDPTrainEngine:
             pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu(),
                                  node_multiple=nodes, width_multiple=width)
             kwargs["pack"] = pack.to(mb.input_ids.device)
-        return model(mb.input_ids, mb.attention_mask, targets, **kwargs)
+        if not self._moe.active:
+            return model(mb.input_ids, mb.attention_mask, targets, **kwargs)
+        self._moe.before_forward(mb)
+        out = model(mb.input_ids, mb.attention_mask, targets, **kwargs)
+        self._moe.after_forward(_real_rows(mb, kwargs.get("pack")))
+        return out
 
     def _clip_gradients(self) -> float:
         """The global gradient norm (before clipping); clips to `gradient_clipping` if > 0:

@@ -15,6 +15,9 @@ that fails half-way leaves the served weights and version as they were.
 
 `step()` can also be driven by hand (without `start()`), which makes tests deterministic.
 
+A Mixture-of-Experts model's responses carry the experts each MoE layer chose for each
+token the engine ran (prefill and decode), for routing replay in the trainer.
+
 One thread does the multi-threaded torch work of a serving process (`LocalEngine.spawn`
 loads the model and runs the loop in the same thread; weights for an update are prepared
 single-threaded). libgomp throttles its spin-waiting for good once threads of more than one
@@ -79,6 +82,8 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     kv_current: bool = True  # its cached keys and values come from the current weights
+    # MoE: the experts chosen for its tokens so far, in order, as chunks [n, layers, top_k]
+    routes: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -89,10 +94,14 @@ class _Seq:
         return self.req.input_ids + self.output_ids[:-1]
 
     def response(self, reason: StopReason) -> GenerationResponse:
+        routes = None
+        if self.routes:  # the newest token was never run through the model: -1
+            routes = torch.cat(self.routes)
+            routes = torch.cat([routes, torch.full_like(routes[:1], -1)])
         return GenerationResponse(
             rid=self.req.rid, input_ids=list(self.req.input_ids), output_ids=self.output_ids,
             output_logprobs=self.logprobs, output_versions=self.versions, stop_reason=reason,
-            latency_s=time.monotonic() - self.t_submit)
+            latency_s=time.monotonic() - self.t_submit, routed_experts=routes)
 
 
 def eos_token_ids(path: str, tokenizer) -> list[int]:
@@ -430,7 +439,10 @@ class LocalEngine:
         self._record(start, tokens, logprobs)
 
     def _prefill(self, seqs: list[_Seq], start: int, token_lists: list[list[int]]) -> torch.Tensor:
-        """Prefill `token_lists` into slots start.., in budget-sized chunks; last logits [n, V]."""
+        """Prefill `token_lists` into slots start.., in budget-sized chunks; last logits [n, V].
+
+        MoE: each sequence's recorded experts become those of its prefilled tokens (a
+        recomputed cache's tokens are routed again under the new weights)."""
         out, i = [], 0
         while i < len(seqs):
             j, width = i + 1, len(token_lists[i])
@@ -446,6 +458,10 @@ class LocalEngine:
             lengths = torch.tensor([len(t) for t in chunk])
             out.append(self.model.prefill(tokens.to(self.device), lengths.to(self.device),
                                           self.cache, start + i))
+            if self.model.last_routes is not None:
+                routes = self.model.last_routes.cpu()
+                for r, toks in enumerate(chunk):
+                    seqs[i + r].routes = [routes[r, :len(toks)]]
             i = j
         return torch.cat(out)
 
@@ -527,6 +543,10 @@ class LocalEngine:
             self._sampling = SamplingBatch.from_params(params, self.device)
         kv_len = max(s.n_tokens for s in self._active)  # positions so far, newest token included
         logits = self.model.decode(self._last_token[:n], self._position[:n], self.cache, kv_len)
+        if self.model.last_routes is not None:
+            routes = self.model.last_routes.cpu()
+            for i, seq in enumerate(self._active):
+                seq.routes.append(routes[i:i + 1])
         tokens, logprobs = sample(logits, self._sampling, self._generator,
                                   _draws(self._sampling, self._active))
         self._last_token[:n] = tokens

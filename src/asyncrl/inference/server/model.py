@@ -1,6 +1,8 @@
 """Our own decoder forward for Llama-family HF checkpoints, with a static slot KV cache.
 
-Supported `model_type`s: llama, mistral, qwen2 (q/k/v bias), qwen3 (per-head q/k RMSNorm).
+Supported `model_type`s: llama, mistral, qwen2 (q/k/v bias), qwen3 (per-head q/k RMSNorm),
+qwen3_moe (qwen3's attention; Mixture-of-Experts MLPs in the layers its config names, whose
+top-k choices each forward records in `Transformer.last_routes`).
 Weights are read from the folder's *.safetensors under their HF names. They are stored
 fused (q|k|v in one matrix, gate|up in another) so a layer costs four matmuls instead of
 seven. In bfloat16 on CPU the matrices are prepacked for our own matmul kernels
@@ -21,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +53,13 @@ _ARCHS: dict[str, Callable[[dict[str, Any]], dict[str, bool]]] = {
     "qwen3": lambda c: dict(qkv_bias=c.get("attention_bias", False),
                             o_bias=c.get("attention_bias", False),
                             mlp_bias=False, qk_norm=True),
+    "qwen3_moe": lambda c: dict(qkv_bias=c.get("attention_bias", False),
+                                o_bias=c.get("attention_bias", False),
+                                mlp_bias=False, qk_norm=True),
 }
+# transformers >= 5 holds each MoE layer's experts as two stacked tensors (what our trainer
+# publishes); checkpoints on disk and the hub name each expert's matrices.
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 _ROPE_TYPES = ("default", "llama3")
 
 
@@ -76,6 +85,14 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # Mixture of Experts (qwen3_moe): the layers whose MLP is a router over `num_experts`
+    # SwiGLU experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token,
+    # their softmax weights renormalised to sum 1 if `norm_topk_prob`. () : all dense.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> ModelConfig:
@@ -112,7 +129,30 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)), rope=rope,
             tie_word_embeddings=c.get("tie_word_embeddings", False), **_ARCHS[model_type](c),
+            **(_moe_fields(c) if model_type == "qwen3_moe" else {}),
         )
+
+
+def _moe_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a qwen3_moe config.json, with HF's rule for which layers are sparse:
+    not in `mlp_only_layers`, and (layer + 1) a multiple of `decoder_sparse_step`."""
+    # config.json from transformers >= 5 says num_local_experts (an attribute map), older
+    # ones num_experts
+    experts = c.get("num_experts", c.get("num_local_experts", 0))
+    top_k, step = c.get("num_experts_per_tok", 0), c.get("decoder_sparse_step", 1)
+    mlp_only = c.get("mlp_only_layers") or []
+    if experts > 0 and not 1 <= top_k <= experts:
+        raise ValueError(f"model config num_experts_per_tok={top_k} must be in [1, "
+                         f"num_experts={experts}]")
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"model config decoder_sparse_step={step!r} must be an integer >= 1")
+    layers = c["num_hidden_layers"]
+    sparse = tuple(n for n in range(layers)
+                   if experts > 0 and n not in mlp_only and (n + 1) % step == 0)
+    return {"moe_layers": sparse, "num_experts": experts if sparse else 0,
+            "num_experts_per_tok": top_k if sparse else 0,
+            "moe_intermediate_size": c.get("moe_intermediate_size", 0) if sparse else 0,
+            "norm_topk_prob": bool(c.get("norm_topk_prob", False))}
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -202,6 +242,30 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedMatrix,
     return F.linear(x, w, b)
 
 
+def moe(h: torch.Tensor, lw: LayerWeights, top_k: int,
+        norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse MoE block on [..., hidden]: its output, and the experts each row chose
+    [rows, top_k] (in descending router probability).
+
+    As HF's Qwen3MoeSparseMoeBlock: the router's logits in the model dtype, a float32
+    softmax over all experts, the top k (renormalised to sum 1 if `norm_topk_prob`) cast
+    back, and each chosen expert's SwiGLU output scaled by its weight and summed.
+    """
+    flat = h.reshape(-1, h.shape[-1])
+    probs = F.linear(flat, lw.router).softmax(-1, dtype=torch.float32)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights.to(h.dtype)
+    out = torch.zeros_like(flat)
+    for e in chosen.unique().tolist():
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        gate, up = F.linear(flat[rows], lw.experts_gate_up[e]).chunk(2, -1)
+        y = F.linear(F.silu(gate) * up, lw.experts_down[e])
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out.view(h.shape), chosen
+
+
 def mlp(h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
     """down(silu(gate(h)) * up(h)), with gate and up as one product."""
     if isinstance(lw.w_gate_up, PackedMatrix):
@@ -218,13 +282,36 @@ class LayerWeights:
     wqkv: torch.Tensor  # [(heads + 2 kv_heads) * hd, hidden]
     wo: torch.Tensor
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor
+    w_gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in an MoE layer
+    w_down: torch.Tensor | None
     bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
     b_gate_up: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, hd]: q_norm rows, then k_norm rows
+    # An MoE layer's router [experts, hidden] and experts, gate|up [experts, 2 * moe_inter,
+    # hidden] and down [experts, hidden, moe_inter], all plain tensors.
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+
+
+def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A stacked expert tensor (`_FUSED_EXPERTS`) as each expert's matrices under their
+    checkpoint names (views); any other tensor as itself."""
+    match = _FUSED_EXPERTS.fullmatch(name)
+    if match is None:
+        return [(name, tensor)]
+    if tensor.dim() != 3:
+        raise CheckpointError(f"mis-shaped tensor {name}: {tuple(tensor.shape)}, expected "
+                              "[experts, rows, columns]")
+    prefix, kind = match.groups()
+    if kind == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    half = tensor.shape[1] // 2  # gate's rows, then up's (HF chunks the product in two)
+    return [pair for e in range(tensor.shape[0])
+            for pair in ((f"{prefix}.{e}.gate_proj.weight", tensor[e, :half]),
+                         (f"{prefix}.{e}.up_proj.weight", tensor[e, half:]))]
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -239,14 +326,22 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {f"model.layers.{n}.input_layernorm.weight": (h,),
                    f"model.layers.{n}.post_attention_layernorm.weight": (h,),
                    a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h),
-                   a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q),
-                   m + "gate_proj.weight": (i, h), m + "up_proj.weight": (i, h),
-                   m + "down_proj.weight": (h, i)}
+                   a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q)}
+        if n in cfg.moe_layers:
+            mi = cfg.moe_intermediate_size
+            shapes[m + "gate.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                shapes |= {f"{m}experts.{e}.gate_proj.weight": (mi, h),
+                           f"{m}experts.{e}.up_proj.weight": (mi, h),
+                           f"{m}experts.{e}.down_proj.weight": (h, mi)}
+        else:
+            shapes |= {m + "gate_proj.weight": (i, h), m + "up_proj.weight": (i, h),
+                       m + "down_proj.weight": (h, i)}
         if cfg.qkv_bias:
             shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
         if cfg.o_bias:
             shapes[a + "o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
+        if cfg.mlp_bias and n not in cfg.moe_layers:
             shapes |= {m + "gate_proj.bias": (i,), m + "up_proj.bias": (i,),
                        m + "down_proj.bias": (h,)}
         if cfg.qk_norm:
@@ -291,6 +386,10 @@ class Weights:
     @torch.inference_mode()
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """Write HF tensor `name` into its place; CheckpointError if the model has no such shape."""
+        if _FUSED_EXPERTS.fullmatch(name):
+            for part, t in per_expert(name, tensor):
+                self.load(part, t)
+            return
         write = self._writers.get(name)
         if write is None:
             # A tied checkpoint may still carry lm_head.weight; old ones carry rotary buffers.
@@ -327,6 +426,9 @@ class Weights:
             pack = "onednn" if can_pack(dtype, device) else None
         if pack not in ("asyncrl", "onednn", None):
             raise ValueError(f"pack={pack!r}: expected 'asyncrl', 'onednn', 'auto' or None")
+        if pack == "asyncrl" and cfg.moe_layers:
+            raise ValueError("pack='asyncrl': the one-call C forward has no MoE layers; "
+                             "use 'onednn' or None")
         self.pack = pack
         self.complete = False
         self._layout = (cfg, dtype, device, pack)
@@ -396,6 +498,19 @@ class Weights:
 
         h, hd, inter, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+        def experts(lw: LayerWeights, m: str) -> None:
+            """An MoE layer's router and stacked experts, a writer per checkpoint tensor."""
+            n_exp, mi = cfg.num_experts, cfg.moe_intermediate_size
+            lw.router = new(n_exp, h)
+            lw.experts_gate_up, lw.experts_down = new(n_exp, 2 * mi, h), new(n_exp, h, mi)
+            self._writers[m + "gate.weight"] = copy_into(lw.router)
+            for e in range(n_exp):
+                self._writers |= {
+                    f"{m}experts.{e}.gate_proj.weight": copy_into(lw.experts_gate_up[e, :mi]),
+                    f"{m}experts.{e}.up_proj.weight": copy_into(lw.experts_gate_up[e, mi:]),
+                    f"{m}experts.{e}.down_proj.weight": copy_into(lw.experts_down[e])}
+
         self.embed = new(vocab, h)
         self.norm = vector([("model.norm.weight", h)])
         if cfg.tie_word_embeddings and pack == "asyncrl":  # packed again as the output matrix
@@ -425,15 +540,18 @@ class Weights:
             matrix(lw, "wqkv", [(a + "q_proj.weight", q), (a + "k_proj.weight", kv),
                                 (a + "v_proj.weight", kv)], h)
             matrix(lw, "wo", [(a + "o_proj.weight", h)], q)
-            matrix(lw, "w_gate_up", [(m + "gate_proj.weight", inter),
-                                     (m + "up_proj.weight", inter)], h, silu=True)
-            matrix(lw, "w_down", [(m + "down_proj.weight", h)], inter)
+            if n in cfg.moe_layers:
+                experts(lw, m)
+            else:
+                matrix(lw, "w_gate_up", [(m + "gate_proj.weight", inter),
+                                         (m + "up_proj.weight", inter)], h, silu=True)
+                matrix(lw, "w_down", [(m + "down_proj.weight", h)], inter)
             if cfg.qkv_bias:
                 lw.bqkv = vector([(a + "q_proj.bias", q), (a + "k_proj.bias", kv),
                                   (a + "v_proj.bias", kv)])
             if cfg.o_bias:
                 lw.bo = vector([(a + "o_proj.bias", h)])
-            if cfg.mlp_bias:
+            if cfg.mlp_bias and n not in cfg.moe_layers:
                 lw.b_gate_up = vector([(m + "gate_proj.bias", inter),
                                        (m + "up_proj.bias", inter)], silu=True)
                 lw.b_down = vector([(m + "down_proj.bias", h)])
@@ -530,6 +648,8 @@ def read_checkpoint_file(file: str) -> dict[str, torch.Tensor]:
 def check_tensors(found: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
                   what: str) -> None:
     """CheckpointError naming the missing, unexpected and mis-shaped tensors of `found`."""
+    found = {part: tuple(t.shape) for name, shape in found.items()
+             for part, t in per_expert(name, torch.empty(shape, device="meta"))}
     # A tied checkpoint may still carry lm_head.weight; old ones carry rotary buffers.
     ignorable = {n for n in found if n.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in shapes:
@@ -587,8 +707,13 @@ class Transformer:
         # Cast to the model dtype as HF does before rotating, so bf16 rotations agree.
         self.cos, self.sin = emb.cos().to(dtype).to(device), sin.to(dtype).to(device)
         # bf16 on CPU: the steps between matmuls of a decode step run as C kernels.
-        use_kernels = self.device.type == "cpu" and dtype == torch.bfloat16
+        # (Not for MoE layers, which the C forward does not have.)
+        use_kernels = self.device.type == "cpu" and dtype == torch.bfloat16 and not cfg.moe_layers
         self.kernels = DecodeKernels.load() if use_kernels else None
+        # The experts each MoE layer chose in the last prefill or decode, int16: [B, T,
+        # MoE layers, top_k] after a prefill (padded positions included), [B, MoE layers,
+        # top_k] after a decode; None for a dense model.
+        self.last_routes: torch.Tensor | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # scratch of the C forward, reused
 
     @classmethod
@@ -648,13 +773,21 @@ class Transformer:
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend) -> torch.Tensor:
         """Run every decoder layer; `attend(layer, q, k, v)` owns the cache traffic."""
-        eps = self.cfg.rms_norm_eps
+        c = self.cfg
         b, t, _ = x.shape
+        routes = []
         for n, lw in enumerate(self.w.layers):
-            q, k, v = self._qkv(lw, rms_norm(x, lw.attn_norm, eps), cos, sin)
+            q, k, v = self._qkv(lw, rms_norm(x, lw.attn_norm, c.rms_norm_eps), cos, sin)
             o = attend(n, q, k, v).transpose(1, 2).reshape(b, t, -1)
             x = x + linear(o, lw.wo, lw.bo)
-            x = x + mlp(rms_norm(x, lw.mlp_norm, eps), lw)
+            h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
+            if lw.router is None:
+                x = x + mlp(h, lw)
+                continue
+            out, chosen = moe(h, lw, c.num_experts_per_tok, c.norm_topk_prob)
+            x = x + out
+            routes.append(chosen.to(torch.int16).view(b, t, -1))
+        self.last_routes = torch.stack(routes, dim=2) if routes else None
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -726,6 +859,8 @@ class Transformer:
         # [B, 1, 1, hd] against [B, 1, heads, hd]
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]
         x = self._layers(F.embedding(tokens[:, None], self.w.embed), cos, sin, attend)
+        if self.last_routes is not None:
+            self.last_routes = self.last_routes[:, 0]
         return self._logits(x[:, 0])
 
     def _decode_with_kernels(self, tokens: torch.Tensor, positions: torch.Tensor,
