@@ -8,7 +8,7 @@ into a ConfigError naming the key).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -75,6 +75,9 @@ class TrainEngineSpec:
     # micro-batch goes through the model as a token trie (trainer/prefix.py). Exact
     # gradients; needs sdpa attention and full-attention layers.
     shared_prefix: bool = False
+    # The trainer mesh, "fsdp:d<M>t<S>" (actor.backend): M data-parallel groups of S ranks
+    # that split each layer (trainer/parallel.py). null: data parallel over every rank.
+    backend: Optional[str] = None
     # Where the rank computes. Not a key of any section: the trainer that builds the spec
     # sets it from cluster.n_gpus_per_node (`ClusterConfig.device`), never from the host.
     device: Literal["cpu", "cuda"] = "cpu"
