@@ -513,7 +513,7 @@ class FSDPTrainEngine:
                 # the inverse of clip_grads_with_norm_'s coefficient max_norm / (norm + 1e-6)
                 self.optimizer.grad_scale = (norm.detach().float() + 1e-6) / max_norm
             else:
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+                parallel.clip_grads_with_norm_(params, max_norm, norm)
         return total
 
     # ---- saving -------------------------------------------------------------------------

@@ -130,13 +130,28 @@ def apply_tensor_parallel(hf_model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, layer_plan(layer))
 
 
+def _by_mesh(tensors: list[torch.Tensor], key: Any = None) -> dict[Any, list[torch.Tensor]]:
+    """`tensors` grouped by the mesh of `key(t)` (None for plain tensors), in order."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        of = t if key is None else key(t)
+        groups.setdefault(of.device_mesh if isinstance(of, DTensor) else None, []).append(t)
+    return groups
+
+
+def clip_grads_with_norm_(params: list[torch.Tensor], max_norm: float,
+                          norm: torch.Tensor) -> None:
+    """torch's clip_grads_with_norm_ (grads scaled by max_norm / (norm + 1e-6) if below 1),
+    one mesh at a time: its foreach multiply takes DTensors of one mesh only."""
+    for group in _by_mesh(params, key=lambda p: p.grad).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+
+
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all `grads` together, fp32 and whole on every rank, also when they are
     DTensors of different meshes (tensor-split weights on (dp, tp), the others on dp), which
     torch's get_total_norm cannot stack into one tensor."""
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    by_mesh = _by_mesh(grads)
     if len(by_mesh) <= 1:
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
