@@ -109,7 +109,8 @@ def test_sizes_that_do_not_split_evenly_are_named_with_the_sizes_that_would():
     with pytest.raises(ValueError, match=r"t4 \(actor.backend\) must divide the model's "
                                          r"num_key_value_heads=2: .* use t in \[1, 2\]"):
         check_model(_config(), 4)
-    with pytest.raises(ValueError, match=r"num_attention_heads=6, num_key_value_heads=6, intermediate_size=102"):
+    with pytest.raises(ValueError, match=r"num_attention_heads=6, num_key_value_heads=6, "
+                                         r"intermediate_size=102"):
         check_model(_config(heads=6, kv_heads=6, intermediate=102), 4)
     with pytest.raises(ValueError, match="not model_type 'gpt2'; use t1 in actor.backend"):
         check_model(_config("gpt2"), 2)
