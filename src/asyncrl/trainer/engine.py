@@ -7,7 +7,9 @@ per-step copies).
 Data parallelism: every rank passes the same full batch; the engine takes its own rows
 (balanced by tokens) and all ranks run the same number of micro-batches. Loss normalisers
 (`n_tokens`, `n_seqs`) are those of the whole batch and FSDP sums (not averages) gradients
-over ranks, so the gradient is that of the batch loss whatever the world size.
+over ranks, so the gradient is that of the batch loss whatever the world size. With a
+tensor-parallel mesh (`spec.backend` fsdp:d<M>t<S>, `trainer/parallel.py`) the rows are
+split over the M data-parallel groups; the S ranks of a group see the same rows.
 
 `train_batch` adds `entropy`, the token mean over the loss tokens of the entropy of the
 sampling distribution (the logits at the actor's temperature), computed without gradient
