@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from asyncrl.config.allocation import parse_train_backend
 from asyncrl.config.engine import MicroBatchSpec, OptimizerConfig, _check
 
 NormLevel = Literal["batch", "group", "none"]
@@ -100,6 +101,11 @@ class ActorConfig:
     # first publish.
     init_from_scratch: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
+    # The trainer's mesh, AReaL's per-engine spelling: "fsdp:d<M>t<S>", M data-parallel
+    # groups of S ranks that split each layer (tensor parallel; trainer/parallel.py), M x S
+    # ranks in all. The training part of allocation_mode, which may only repeat it; null:
+    # from allocation_mode, else one rank (filled in when loaded).
+    backend: Optional[str] = None
     # Recompute activations in the backward pass instead of keeping them (HF gradient
     # checkpointing, non-reentrant): less memory, more compute.
     gradient_checkpointing: bool = False
@@ -227,6 +233,8 @@ class ActorConfig:
         _check(not (self.routing_replay and self.shared_prefix),
                "actor.routing_replay=true needs each row's own prompt tokens, and "
                "actor.shared_prefix=true shares them between rows; set one of them to false")
+        if self.backend is not None:
+            parse_train_backend(self.backend)  # raises naming actor.backend
         _check(self.weight_update_mode in ("disk", "broadcast", "ipc"),
                f"actor.weight_update_mode must be one of ('disk', 'broadcast', 'ipc'), got "
                f"{self.weight_update_mode!r}")

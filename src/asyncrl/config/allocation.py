@@ -1,15 +1,22 @@
-"""AReaL-style `allocation_mode`: which inference backend, how many servers, how many trainers,
-and whether they share GPUs.
+"""AReaL-style layouts: which inference backend, how many servers and GPUs each, how many
+trainer ranks in which mesh, and whether servers and ranks share GPUs.
 
-Grammar: `<backend>:d<N>[t1][p1]<op>[fsdp:]d<M>`, e.g. `vllm:d2+fsdp:d1`, `sglang:d4+fsdp:d4`,
-`local:d1|fsdp:d1`. N inference servers (data parallel, one model copy each) and M trainer
-ranks (FSDP). The operator is AReaL's:
-- `+` separate GPUs: the servers take N GPUs and the trainer ranks M others;
-- `|` colocated: server i and trainer rank i share GPU i (so N must equal M), each with its
-  share of the GPU's memory (`rollout.gpu_memory_fraction`). This is how one GPU runs a
-  whole RL run: `local:d1|fsdp:d1` or `vllm:d1|fsdp:d1` with `cluster.n_gpus_per_node=1`.
+Two spellings, which AReaL both accepts:
+- `allocation_mode: <backend>:d<N>[t<T>]<op>[fsdp:]d<M>[t<S>]`, e.g. `vllm:d2+fsdp:d1`,
+  `sglang:d2t4+fsdp:d2t2`, `local:d1|fsdp:d1`;
+- per engine, `rollout.backend: <backend>:d<N>[t<T>]` and `actor.backend: fsdp:d<M>[t<S>]`.
+N inference servers of T GPUs each (tensor parallel inside a server: vLLM's
+--tensor-parallel-size, SGLang's --tp-size); M x S trainer ranks in a (data, tensor) mesh:
+S ranks split each layer's matmuls (`trainer/parallel.py`), M such groups split the batch.
+The dimensions may come in any order (`t2d4` is `d4t2`); a missing one is 1.
+The operator is AReaL's:
+- `+` separate GPUs: the servers take N x T GPUs and the trainer ranks M x S others;
+- `|` colocated: the servers and the trainer ranks take the same GPUs (N x T must equal
+  M x S), each with its share of the GPU's memory (`rollout.gpu_memory_fraction`). This is
+  how one GPU runs a whole RL run: `local:d1|fsdp:d1` or `vllm:d1|fsdp:d1` with
+  `cluster.n_gpus_per_node=1`.
 On a CPU machine both mean the same: every process shares the machine's cores.
-Tensor and pipeline parallel inference are not supported yet, so t and p may only be 1.
+Pipeline parallelism is not supported, so p may only be 1.
 """
 
 from __future__ import annotations
@@ -18,8 +25,7 @@ import re
 from dataclasses import dataclass
 
 BACKENDS = ("local", "vllm", "sglang")
-_GEN = re.compile(r"^(?P<backend>[a-z]+):d(?P<dp>\d+)(?:t(?P<tp>\d+))?(?:p(?P<pp>\d+))?$")
-_TRAIN = re.compile(r"^(?:(?P<engine>[a-z]+):)?d(?P<dp>\d+)$")
+_DIMS = re.compile(r"^(?:[dtp]\d+)+$")
 _FORM = "'<backend>:d<N>+fsdp:d<M>' (separate GPUs) or '<backend>:d<N>|fsdp:d<N>' (shared)"
 
 
@@ -27,19 +33,104 @@ _FORM = "'<backend>:d<N>+fsdp:d<M>' (separate GPUs) or '<backend>:d<N>|fsdp:d<N>
 class Allocation:
     backend: str
     n_servers: int
-    trainer_world_size: int
-    colocated: bool = False  # `|`: server i and trainer rank i on GPU i
+    trainer_world_size: int  # every trainer rank: data x tensor
+    colocated: bool = False  # `|`: servers and trainer ranks on the same GPUs
+    server_tensor_size: int = 1  # GPUs (tensor-parallel workers) of one server
+    trainer_tensor_size: int = 1  # trainer ranks that split each layer
 
     @property
     def n_gpus(self) -> int:
-        """GPUs the allocation takes: one per server and one per rank, or one per pair."""
+        """GPUs the allocation takes: the servers' and the ranks', or one set shared."""
         if self.colocated:
             return self.trainer_world_size
-        return self.n_servers + self.trainer_world_size
+        return self.server_gpus + self.trainer_world_size
+
+    @property
+    def server_gpus(self) -> int:
+        """GPUs of all the servers together."""
+        return self.n_servers * self.server_tensor_size
+
+    @property
+    def trainer_data_size(self) -> int:
+        """Data-parallel groups of trainer ranks (the d of the training part)."""
+        return self.trainer_world_size // self.trainer_tensor_size
+
+    @property
+    def rollout_part(self) -> str:
+        """The inference part, canonical: `vllm:d2` or `vllm:d2t4`."""
+        return f"{self.backend}:{_spell(self.n_servers, self.server_tensor_size)}"
+
+    @property
+    def train_part(self) -> str:
+        """The training part, canonical: `fsdp:d2` or `fsdp:d2t2` (actor.backend's form)."""
+        return f"fsdp:{_spell(self.trainer_data_size, self.trainer_tensor_size)}"
+
+    @property
+    def mode(self) -> str:
+        """The whole allocation as a canonical allocation_mode."""
+        return f"{self.rollout_part}{'|' if self.colocated else '+'}{self.train_part}"
+
+
+def _spell(d: int, t: int) -> str:
+    return f"d{d}" + (f"t{t}" if t > 1 else "")
+
+
+def _dims(text: str, where: str, example: str) -> dict[str, int]:
+    """{'d': N, 't': T, 'p': P} of e.g. "d2t4" (missing ones 1); ValueError naming `where`."""
+    if not _DIMS.match(text):
+        raise ValueError(f"{where}: {text!r} is not a layout like {example!r} (d<N> data "
+                         "parallel, optionally t<T> tensor parallel)")
+    found = re.findall(r"([dtp])(\d+)", text)
+    letters = [letter for letter, _ in found]
+    for letter in set(letters):
+        if letters.count(letter) > 1:
+            raise ValueError(f"{where}: {text!r} gives {letter} more than once")
+    dims = {"d": 1, "t": 1, "p": 1} | {letter: int(n) for letter, n in found}
+    if "d" not in letters:
+        raise ValueError(f"{where}: {text!r} has no d<N> (how many data-parallel copies); "
+                         f"e.g. {example!r}")
+    for letter, n in dims.items():
+        if n < 1:
+            raise ValueError(f"{where}: {letter} must be >= 1, got {letter}{n} in {text!r}")
+    if dims["p"] != 1:
+        raise ValueError(f"{where}: pipeline parallelism (p{dims['p']}) is not supported; "
+                         "use p1 or drop it")
+    return dims
+
+
+def parse_rollout_backend(text: str, key: str = "rollout.backend") -> tuple[str, int | None, int]:
+    """(backend, servers or None, tensor size) of "vllm" or "vllm:d2t4"; ValueError naming
+    `key`."""
+    return _rollout(text, f"{key}={text!r}")
+
+
+def parse_train_backend(text: str, key: str = "actor.backend") -> tuple[int, int]:
+    """(data size, tensor size) of "fsdp:d2t2" (or "d2t2"); ValueError naming `key`."""
+    return _train(text, f"{key}={text!r}")
+
+
+def _rollout(text: str, where: str) -> tuple[str, int | None, int]:
+    name, _, layout = text.replace(" ", "").partition(":")
+    if name not in BACKENDS:
+        raise ValueError(f"{where}: backend {name!r} is not one of {list(BACKENDS)}")
+    if not layout:
+        return name, None, 1
+    dims = _dims(layout, where, "d2t4")
+    return name, dims["d"], dims["t"]
+
+
+def _train(text: str, where: str) -> tuple[int, int]:
+    engine, _, layout = text.replace(" ", "").rpartition(":")
+    if engine not in ("", "fsdp"):
+        raise ValueError(f"{where}: training engine {engine!r} is not supported; use fsdp, "
+                         "e.g. 'fsdp:d2t2'")
+    dims = _dims(layout, where, "fsdp:d2t2")
+    return dims["d"], dims["t"]
 
 
 def parse_allocation_mode(mode: str) -> Allocation:
-    """Parse e.g. "vllm:d2+fsdp:d1" or "local:d1|fsdp:d1"; ValueError naming the bad part."""
+    """Parse e.g. "vllm:d2+fsdp:d1", "sglang:d2t4+fsdp:d2t2" or "local:d1|fsdp:d1";
+    ValueError naming the bad part."""
     text = mode.replace(" ", "")
     n_plus, n_bar = text.count("+"), text.count("|")
     if n_plus + n_bar != 1:
@@ -47,29 +138,18 @@ def parse_allocation_mode(mode: str) -> Allocation:
                          "the inference and the training part, e.g. 'vllm:d2+fsdp:d1'")
     colocated = n_bar == 1
     gen, train = text.split("|" if colocated else "+")
-    g = _GEN.match(gen)
-    if g is None:
+    if ":" not in gen:
         raise ValueError(f"allocation_mode {mode!r}: inference part {gen!r} is not "
                          f"'<backend>:d<N>' with backend one of {list(BACKENDS)}")
-    if g["backend"] not in BACKENDS:
-        raise ValueError(f"allocation_mode {mode!r}: backend {g['backend']!r} is not one of "
-                         f"{list(BACKENDS)}")
-    for axis, name in (("tp", "tensor"), ("pp", "pipeline")):
-        if g[axis] is not None and int(g[axis]) != 1:
-            raise ValueError(f"allocation_mode {mode!r}: {name} parallel inference "
-                             f"({axis[0]}{g[axis]}) is not supported; use {axis[0]}1 or drop it")
-    t = _TRAIN.match(train)
-    if t is None:
-        raise ValueError(f"allocation_mode {mode!r}: training part {train!r} is not 'fsdp:d<M>'")
-    if t["engine"] not in (None, "fsdp"):
-        raise ValueError(f"allocation_mode {mode!r}: training engine {t['engine']!r} is not "
-                         "supported; use fsdp")
-    n_servers, world = int(g["dp"]), int(t["dp"])
-    if n_servers < 1 or world < 1:
-        raise ValueError(f"allocation_mode {mode!r}: d must be >= 1 on both sides")
-    if colocated and n_servers != world:
+    where = f"allocation_mode {mode!r}"
+    backend, n_servers, server_tp = _rollout(gen, f"{where}: inference part {gen!r}")
+    data, tensor = _train(train, f"{where}: training part {train!r}")
+    alloc = Allocation(backend, n_servers or 1, data * tensor, colocated, server_tp, tensor)
+    if colocated and alloc.server_gpus != alloc.trainer_world_size:
         raise ValueError(
-            f"allocation_mode {mode!r}: '|' puts server i and trainer rank i on GPU i, so "
-            f"both sides need the same d (here d{n_servers} and d{world}); use "
-            f"'{g['backend']}:d{world}|fsdp:d{world}', or '+' for separate GPUs")
-    return Allocation(g["backend"], n_servers, world, colocated)
+            f"{where}: '|' puts the servers and the trainer ranks on the same GPUs, so both "
+            f"sides need as many (here {alloc.server_gpus} for the servers and "
+            f"{alloc.trainer_world_size} for the ranks); e.g. "
+            f"'{backend}:{_spell(alloc.trainer_world_size // server_tp, server_tp)}|"
+            f"{alloc.train_part}', or '+' for separate GPUs")
+    return alloc

@@ -8,7 +8,7 @@ into a ConfigError naming the key).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -85,6 +85,9 @@ class TrainEngineSpec:
     # off), and routing replay (the rollout's recorded experts instead of the router's own).
     router_aux_loss_coef: float = 0.0
     routing_replay: bool = False
+    # The trainer mesh, "fsdp:d<M>t<S>" (actor.backend): M data-parallel groups of S ranks
+    # that split each layer (trainer/parallel.py). null: data parallel over every rank.
+    backend: Optional[str] = None
     # Where the rank computes. Not a key of any section: the trainer that builds the spec
     # sets it from cluster.n_gpus_per_node (`ClusterConfig.device`), never from the host.
     device: Literal["cpu", "cuda"] = "cpu"

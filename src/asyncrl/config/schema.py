@@ -23,7 +23,12 @@ from asyncrl.config.algorithm import (  # noqa: F401
     RejectionSamplingConfig,
     TeacherConfig,
 )
-from asyncrl.config.allocation import parse_allocation_mode
+from asyncrl.config.allocation import (
+    Allocation,
+    parse_allocation_mode,
+    parse_rollout_backend,
+    parse_train_backend,
+)
 from asyncrl.config.engine import MicroBatchSpec, OptimizerConfig, _check  # noqa: F401
 
 
@@ -165,9 +170,12 @@ class RolloutConfig:
     # Episodes in flight at most. None: consumer_batch_size * (max_head_offpolicyness + 1).
     max_concurrent_rollouts: Optional[int] = None
     # The inference servers: "local" (ours), "vllm" or "sglang" (pip install asyncrl[vllm]
-    # / sglang). null: from allocation_mode, else "local". Set both only if they agree.
-    backend: Optional[Literal["local", "vllm", "sglang"]] = None
-    n_servers: Optional[int] = None  # null: from allocation_mode, else 1
+    # / sglang), optionally with AReaL's layout: "vllm:d<N>t<T>" is N servers of T GPUs
+    # each (tensor parallel: vLLM's --tensor-parallel-size, SGLang's --tp-size; not our
+    # engine). null: from allocation_mode, else "local". Set it and allocation_mode only if
+    # they agree. Once loaded it holds the name alone (the layout: allocation_mode).
+    backend: Optional[str] = None
+    n_servers: Optional[int] = None  # null: from allocation_mode or backend's d<N>, else 1
     request_timeout: float = 3600.0  # seconds for one generation request
     request_retries: int = 3  # retries when a server cannot be reached
     update_weights_timeout: float = 300.0  # seconds for pause + reload + resume per server
@@ -223,6 +231,8 @@ class RolloutConfig:
                f"rollout.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts}")
         _check(self.n_servers is None or self.n_servers >= 1,
                f"rollout.n_servers must be >= 1 or null, got {self.n_servers}")
+        if self.backend is not None:
+            parse_rollout_backend(self.backend)  # raises naming rollout.backend
         _check(self.gpu_memory_fraction is None or 0 < self.gpu_memory_fraction < 1,
                f"rollout.gpu_memory_fraction must be in (0, 1) or null, got "
                f"{self.gpu_memory_fraction}")
@@ -468,10 +478,14 @@ class ExperimentConfig:
     total_train_epochs: int = 1
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
     tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
-    # AReaL's "<backend>:d<N>+fsdp:d<M>", e.g. "vllm:d2+fsdp:d1": sets rollout.backend and
-    # rollout.n_servers (which may then only repeat it) and the trainer world size M. With
-    # "|" instead of "+" ("local:d1|fsdp:d1") server i and trainer rank i share GPU i: one
-    # GPU runs the whole run (config/allocation.py, docs/guides/gpus-and-clusters.md).
+    # AReaL's "<backend>:d<N>t<T>+fsdp:d<M>t<S>", e.g. "vllm:d2+fsdp:d1": N servers of T
+    # GPUs each, M x S trainer ranks (M data x S tensor parallel; t1 may be left out). It
+    # sets rollout.backend and rollout.n_servers and actor.backend, which may then only
+    # repeat it. With "|" instead of "+" ("local:d1|fsdp:d1") servers and trainer ranks
+    # share the same GPUs: one GPU runs the whole run (config/allocation.py,
+    # docs/guides/gpus-and-clusters.md). null: from rollout.backend and actor.backend when
+    # either gives a layout (filled in when loaded, with "+"), else one local server and one
+    # rank.
     allocation_mode: Optional[str] = None
     # The machines: nodes, GPUs per node, where runs are written.
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -597,24 +611,22 @@ class ExperimentConfig:
                f"{budget}; lower actor.overlong_tokens")
 
     def _resolve_allocation(self) -> None:
-        """allocation_mode, when given, decides rollout.backend and n_servers; they must agree;
-        and the GPUs must hold it (NCCL refuses two trainer ranks on one GPU)."""
+        """allocation_mode, or the layouts in rollout.backend and actor.backend, decide the
+        servers and the trainer mesh; every spelling given must agree; and the GPUs must
+        hold them (NCCL refuses two trainer ranks on one GPU)."""
         gpus = self.cluster.n_gpus_per_node * self.cluster.n_nodes
         _check(gpus > 0 or self.rollout.gpu_memory_fraction is None,
                f"rollout.gpu_memory_fraction={self.rollout.gpu_memory_fraction} is for GPU "
                "servers but cluster.n_gpus_per_node=0 (a CPU machine); drop it, or set "
                "cluster.n_gpus_per_node")
-        if self.allocation_mode is None:
+        alloc = self._merged_allocation()
+        if alloc is None:
             self.rollout.backend = self.rollout.backend or "local"
             self.rollout.n_servers = self.rollout.n_servers or 1
             return
-        alloc = parse_allocation_mode(self.allocation_mode)
-        for key, have, want in (("backend", self.rollout.backend, alloc.backend),
-                                ("n_servers", self.rollout.n_servers, alloc.n_servers)):
-            _check(have is None or have == want,
-                   f"rollout.{key}={have} contradicts allocation_mode={self.allocation_mode!r} "
-                   f"(which means {want}); drop rollout.{key} or make them agree")
+        self.allocation_mode, self.actor.backend = alloc.mode, alloc.train_part
         self.rollout.backend, self.rollout.n_servers = alloc.backend, alloc.n_servers
+        self._check_tensor_parallel(alloc)
         mode, world = self.allocation_mode, alloc.trainer_world_size
         if gpus and alloc.colocated:
             _check(world <= gpus,
@@ -631,23 +643,81 @@ class ExperimentConfig:
         elif gpus:
             hint = (f"; to have servers and trainer ranks share {gpus} GPU(s), use "
                     f"'{alloc.backend}:d{min(gpus, world)}|fsdp:d{min(gpus, world)}'"
-                    if alloc.n_servers + world > gpus else "")
-            _check(alloc.n_servers + world <= gpus,
-                   f"allocation_mode={mode!r} needs {alloc.n_servers} inference + "
+                    if alloc.server_gpus + world > gpus and alloc.server_tensor_size == 1
+                    and alloc.trainer_tensor_size == 1 else "")
+            _check(alloc.server_gpus + world <= gpus,
+                   f"allocation_mode={mode!r} needs {alloc.server_gpus} inference + "
                    f"{world} trainer GPUs but cluster.n_nodes x "
                    f"cluster.n_gpus_per_node = {gpus}{hint}")
+
+    def _merged_allocation(self) -> Allocation | None:
+        """The one layout of allocation_mode, rollout.backend / n_servers and actor.backend;
+        None when none of them gives one. A key that contradicts another is an error naming
+        both."""
+        rollout, actor = self.rollout, self.actor
+        backend, servers, server_tp = (parse_rollout_backend(rollout.backend)
+                                       if rollout.backend is not None else (None, None, 1))
+        _check(servers is None or rollout.n_servers in (None, servers),
+               f"rollout.n_servers={rollout.n_servers} contradicts rollout.backend="
+               f"{rollout.backend!r} (which means {servers} servers); drop rollout.n_servers "
+               "or make them agree")
+        servers = servers or rollout.n_servers
+        train = parse_train_backend(actor.backend) if actor.backend is not None else None
+        if self.allocation_mode is None:
+            if train is None and server_tp == 1 and ":" not in (rollout.backend or ""):
+                return None  # no layout given: the defaults
+            data, tensor = train or (1, 1)
+            return parse_allocation_mode(
+                f"{backend or 'local'}:d{servers or 1}t{server_tp}+fsdp:d{data}t{tensor}")
+        alloc = parse_allocation_mode(self.allocation_mode)
+        mode = self.allocation_mode
+        for key, have, want in (("backend", backend, alloc.backend),
+                                ("n_servers", servers, alloc.n_servers)):
+            shown = getattr(rollout, key)
+            _check(have is None or have == want,
+                   f"rollout.{key}={shown} contradicts allocation_mode={mode!r} "
+                   f"(which means {want}); drop rollout.{key} or make them agree")
+        _check(":" not in (rollout.backend or "") or server_tp == alloc.server_tensor_size,
+               f"rollout.backend={rollout.backend!r} contradicts allocation_mode={mode!r} "
+               f"(inference part {alloc.rollout_part}); drop one or make them agree")
+        _check(train is None or train == (alloc.trainer_data_size, alloc.trainer_tensor_size),
+               f"actor.backend={actor.backend!r} contradicts allocation_mode={mode!r} "
+               f"(training part {alloc.train_part}); drop one or make them agree")
+        return alloc
+
+    def _check_tensor_parallel(self, alloc: Allocation) -> None:
+        """What a tensor size above 1 needs: a backend and devices that split a model."""
+        t = alloc.server_tensor_size
+        if t > 1:
+            where = f"rollout tensor parallel t{t} (allocation_mode={self.allocation_mode!r})"
+            _check(alloc.backend != "local",
+                   f"{where}: our local engine runs each server on one device; use "
+                   "rollout.backend vllm or sglang, or t1")
+            _check(self.cluster.n_gpus_per_node > 0,
+                   f"{where} splits each server over GPUs, but cluster.n_gpus_per_node=0 (a "
+                   "CPU machine); use t1 on the CPU, or set cluster.n_gpus_per_node")
+        _check(alloc.trainer_tensor_size == 1 or not self.actor.shared_prefix,
+               f"actor.shared_prefix=true runs the trie attention, which tensor parallel "
+               f"training (actor.backend={alloc.train_part!r}) does not; set "
+               "actor.shared_prefix=false, or t1")
 
     @property
     def colocated(self) -> bool:
         """Servers and trainer ranks share GPUs (allocation_mode with '|', on GPUs)."""
-        return (self.cluster.n_gpus_per_node > 0 and self.allocation_mode is not None
-                and parse_allocation_mode(self.allocation_mode).colocated)
+        alloc = self.allocation
+        return self.cluster.n_gpus_per_node > 0 and alloc is not None and alloc.colocated
 
     def _check_weight_update(self) -> None:
         """What each actor.weight_update_mode needs of the placement."""
         mode, backend = self.actor.weight_update_mode, self.rollout.backend
         key = f"actor.weight_update_mode={mode}"
         if mode == "broadcast":
+            # The group has one rank per server; a tensor-parallel server has T workers.
+            _check(self.server_tensor_size == 1,
+                   f"{key}: the weight-update group takes one rank per server, but each "
+                   f"server of allocation_mode={self.allocation_mode!r} is "
+                   f"{self.server_tensor_size} tensor-parallel workers; use "
+                   "actor.weight_update_mode=disk")
             # Ours receives over gloo (CPU buffers); vLLM and SGLang on GPUs over NCCL.
             _check(not (self.colocated and backend != "local"),
                    f"{key} with allocation_mode={self.allocation_mode!r}: {backend} receives "
@@ -662,9 +732,8 @@ class ExperimentConfig:
         _check(backend in ("local", "vllm"),
                f"{key}: the {backend} backend has no IPC weight update here; use "
                "rollout.backend local or vllm, or actor.weight_update_mode=disk")
-        alloc = (parse_allocation_mode(self.allocation_mode)
-                 if self.allocation_mode is not None else None)
-        _check(alloc is not None and alloc.colocated and alloc.n_servers == 1,
+        alloc = self.allocation
+        _check(alloc is not None and alloc.colocated and alloc.n_gpus == 1,
                f"{key} hands trainer rank 0's weights to a server on the same GPU: use "
                f"allocation_mode='{backend}:d1|fsdp:d1' (got {self.allocation_mode!r}), or "
                "actor.weight_update_mode=disk")
@@ -686,8 +755,19 @@ class ExperimentConfig:
                "backend to local)")
 
     @property
+    def allocation(self) -> Allocation | None:
+        """The parsed allocation_mode (set whenever a layout was given); None: the defaults."""
+        return None if self.allocation_mode is None else parse_allocation_mode(
+            self.allocation_mode)
+
+    @property
     def trainer_world_size(self) -> int:
-        """Trainer ranks: allocation_mode's fsdp:d<M>, else 1."""
-        if self.allocation_mode is None:
-            return 1
-        return parse_allocation_mode(self.allocation_mode).trainer_world_size
+        """Trainer ranks: allocation_mode's fsdp:d<M>t<S>, M x S; else 1."""
+        alloc = self.allocation
+        return 1 if alloc is None else alloc.trainer_world_size
+
+    @property
+    def server_tensor_size(self) -> int:
+        """GPUs of each inference server (allocation_mode's t of the inference part)."""
+        alloc = self.allocation
+        return 1 if alloc is None else alloc.server_tensor_size

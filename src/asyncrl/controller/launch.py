@@ -14,9 +14,10 @@ and takes an API key made for the run):
 Which of them run as services is the run's `Placement` (controller/placement.py). Each
 service process reads its spec, written here to `<run>/specs/<role>.json`
 (controller/specs.py); the router takes its settings as flags.
-On GPUs every server and every rank takes one GPU (local: ranks 0..M-1, servers after);
-colocated (allocation_mode with '|') server i and rank i share GPU i, each with its share of
-the GPU's memory (`rollout.gpu_memory_fraction`; the trainer keeps the rest).
+On GPUs every rank takes one GPU and every server T (its tensor size, allocation_mode's
+`<backend>:d<N>t<T>`; local: ranks 0..M-1, servers after); colocated (allocation_mode with
+'|') the servers take the ranks' GPUs, each with its share of the GPU's memory
+(`rollout.gpu_memory_fraction`; the trainer keeps the rest).
 On a CPU machine the local scheduler splits the cores between the servers and the trainer
 (`scheduler.inference_threads` / `trainer_threads`, totals); under Ray and Slurm those two
 keys are the cores of each server and of each rank.
@@ -159,7 +160,8 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         n_servers=n_servers, seed=cfg.seed, device=device,
         cpus=cfg.scheduler.inference_threads or 1, extra_args=extra,
         cache_dir=str(paths.logs / "vllm-cache"),
-        gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None)
+        gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None,
+        tensor_parallel_size=cfg.server_tensor_size)
     if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "ipc":
         # vLLM takes the IPC handles pickled (its HTTP form); the servers bind 127.0.0.1
         # (ipc needs the local scheduler), so only this machine's processes can send them.
@@ -171,10 +173,11 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
                 sorted(os.sched_getaffinity(0)), cfg.scheduler.inference_threads,
                 cfg.scheduler.trainer_threads, n_servers)
         else:  # GPUs 0..M-1 train (inline: GPU 0); the servers take the next ones, or
-            # colocated the same ones (server i beside rank i)
+            # colocated the same ones (server i beside ranks i*T..): T each (tensor parallel)
             servers.cores = [[] for _ in range(n_servers)]
-            first = 0 if colocated else world
-            servers.gpu_ids = [[first + i] for i in range(n_servers)]
+            first, t = (0 if colocated else world), cfg.server_tensor_size
+            servers.gpu_ids = [list(range(first + i * t, first + (i + 1) * t))
+                               for i in range(n_servers)]
     if inference_key is not None and cfg.rollout.backend == "local":
         servers.env["ASYNCRL_API_KEY"] = inference_key
     shared = None  # the cores trainer and servers lend each other (scheduler.share_cores)

@@ -80,17 +80,22 @@ def server_env(backend: str, host: str, device: str) -> dict[str, str]:
 # Each backend's flag for the share of its GPU's memory a server may take.
 MEMORY_FRACTION_FLAGS = {"local": "--gpu-memory-fraction", "vllm": "--gpu-memory-utilization",
                          "sglang": "--mem-fraction-static"}
+# Each backend's flag for the GPUs one server splits its model over (ours has none).
+TENSOR_PARALLEL_FLAGS = {"vllm": "--tensor-parallel-size", "sglang": "--tp-size"}
 
 
 def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig, *,
                    n_servers: int, seed: int, device: str = "cpu", cpus: int = 1,
                    extra_args: Sequence[str] = (), cache_dir: str | None = None,
-                   gpu_memory_fraction: float | None = None) -> WorkerSpec:
+                   gpu_memory_fraction: float | None = None,
+                   tensor_parallel_size: int = 1) -> WorkerSpec:
     """`n_servers` `backend` servers as the "inference" role; server i samples with seed + i.
 
     Each server runs `cpus` threads; `device` "cuda" also gives each one GPU (its scheduler
     picks which), "cuda:<ids>" gives all of them <ids>. `gpu_memory_fraction`: the share of
     its GPU's memory each server may take (`rollout.gpu_memory_fraction`; GPU servers only).
+    `tensor_parallel_size`: the GPUs each server splits its model over (vLLM and SGLang on
+    GPUs; the t of `rollout.backend: vllm:d<N>t<T>`); with "cuda" each server gets that many.
     """
     if backend == "local":
         extra = ["--threads", "{cpus}", "--max-batch-size", str(engine_cfg.max_batch_size),
@@ -112,6 +117,9 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
             raise ValueError(f"gpu_memory_fraction={gpu_memory_fraction} is for GPU servers, "
                              "but device is 'cpu'")
         extra += [MEMORY_FRACTION_FLAGS[backend], str(gpu_memory_fraction)]
+    if tensor_parallel_size != 1:
+        _check_tensor_parallel(backend, device, tensor_parallel_size)
+        extra += [TENSOR_PARALLEL_FLAGS[backend], str(tensor_parallel_size)]
     argv = server_argv(backend, model_path, "{host}", "{port}", dtype=engine_cfg.dtype,
                        device=device)
     env = server_env(backend, "{host}", device)
@@ -121,7 +129,7 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
         env["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT", cache_dir)
     return WorkerSpec(
         role="inference", count=n_servers, command=[*argv, *extra, *extra_args], env=env,
-        cpus=cpus, gpus=1 if device == "cuda" else 0,
+        cpus=cpus, gpus=tensor_parallel_size if device == "cuda" else 0,
         worker_args=[[seed_flag, str(seed + i)] for i in range(n_servers)])
 
 
@@ -130,3 +138,15 @@ def _check(backend: str, device: str) -> None:
         raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)}")
     if device != "cpu" and device != "cuda" and not device.startswith("cuda:"):
         raise ValueError(f"device {device!r} is not 'cpu', 'cuda' or 'cuda:<ids>'")
+
+
+def _check_tensor_parallel(backend: str, device: str, size: int) -> None:
+    _check(backend, device)
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if backend not in TENSOR_PARALLEL_FLAGS:
+        raise ValueError(f"tensor parallel size {size}: our {backend} engine runs each server "
+                         "on one device; use the vllm or sglang backend, or size 1")
+    if device == "cpu":
+        raise ValueError(f"tensor parallel size {size} splits each {backend} server over "
+                         "GPUs, but device is 'cpu'; use size 1 on the CPU")

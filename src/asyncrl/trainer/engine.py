@@ -7,7 +7,9 @@ per-step copies).
 Data parallelism: every rank passes the same full batch; the engine takes its own rows
 (balanced by tokens) and all ranks run the same number of micro-batches. Loss normalisers
 (`n_tokens`, `n_seqs`) are those of the whole batch and FSDP sums (not averages) gradients
-over ranks, so the gradient is that of the batch loss whatever the world size.
+over ranks, so the gradient is that of the batch loss whatever the world size. With a
+tensor-parallel mesh (`spec.backend` fsdp:d<M>t<S>, `trainer/parallel.py`) the rows are
+split over the M data-parallel groups; the S ranks of a group see the same rows.
 
 `train_batch` adds `entropy`, the token mean over the loss tokens of the entropy of the
 sampling distribution (the logits at the actor's temperature), computed without gradient
@@ -34,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -43,7 +44,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.trainer import checkpoint, lora
+from asyncrl.trainer import checkpoint, lora, parallel
 from asyncrl.trainer.cpu import grad_ops, heap, precision
 from asyncrl.trainer.cpu.attention import NAME as TRIE_ATTENTION
 from asyncrl.trainer.cpu.attention import use_trie_attention
@@ -194,9 +195,13 @@ def _check_no_dropout(config: Any) -> None:
                              f"the inference engine's, which has no dropout; set {name} to 0")
 
 
-def _check_packable(model: nn.Module) -> None:
+def _check_packable(model: nn.Module, layout: parallel.Layout) -> None:
     """Refuse `shared_prefix` where the trie's 4D ancestor mask would not be the one applied."""
     name = type(model).__name__
+    if layout.tensor_parallel:
+        raise ValueError(f"shared_prefix=true: the trie attention does not run on heads split "
+                         f"over t{layout.tensor} ranks (actor.backend); set shared_prefix to "
+                         "false")
     if not getattr(model, "packs_prefixes", False):
         raise ValueError(f"shared_prefix=true: {name} has no shared-prefix forward; "
                          "set shared_prefix to false")
@@ -253,16 +258,18 @@ def reduce_stats(per_mb: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _reduce_stats_across_ranks(stats: dict[str, float], device: torch.device) -> dict[str, float]:
-    """The same reduction as `reduce_stats`, over ranks (every rank must hold the same keys)."""
-    if dist.get_world_size() == 1:
+def _reduce_stats_across_ranks(stats: dict[str, float], device: torch.device,
+                               group: Any = None) -> dict[str, float]:
+    """The same reduction as `reduce_stats`, over the ranks of `group` (default: all; every
+    rank must hold the same keys)."""
+    if dist.get_world_size(group) == 1:
         return stats
     out = dict(stats)
     for kind, op in _REDUCE_OPS.items():
         keys = sorted(k for k in stats if _reduction(k) == kind)
         if keys:
             values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
-            dist.all_reduce(values, op=op)
+            dist.all_reduce(values, op=op, group=group)
             out.update(zip(keys, values.tolist()))
     return out
 
@@ -282,6 +289,10 @@ class FSDPTrainEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.rank, self.world_size = 0, 1
+        # Data-parallel groups of tensor-parallel ranks (trainer/parallel.py), and the group
+        # of this rank's data-parallel peers (None: every rank, without tensor parallelism).
+        self.layout = parallel.Layout(1)
+        self._data_group = None
         self.device = torch.device("cpu")
         self._tied: set[str] = set()  # parameter names that alias another (tied embeddings)
         self._compute_weights: ComputeWeights | None = None  # one rank, bf16 compute
@@ -299,6 +310,7 @@ class FSDPTrainEngine:
         self.device = local_device(self.spec.device)
         self._owns_process_group = init_process_group(self.spec.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.layout = parallel.Layout.of(self.spec.backend, self.world_size)
         if self.device.type == "cpu" and cpu_paths().keep_freed_memory:
             heap.keep_freed_memory()  # trainer/cpu/heap.py: no page faults for reused buffers
         torch.manual_seed(self.seed)  # the same seed on every rank: identical scratch weights
@@ -306,12 +318,18 @@ class FSDPTrainEngine:
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
         if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too
+            if self.layout.tensor_parallel:
+                raise ValueError("actor.use_lora=true with a tensor-parallel actor.backend is not "
+                                 "supported yet: use fsdp:d<N> (data parallel) with LoRA")
             self.lora_config = lora.add_adapters(hf_model, self.spec)
         self._moe = MoeTraining(hf_model, aux_loss_coef=self.spec.router_aux_loss_coef,
                                 replay=self.spec.routing_replay,
                                 shared_prefix=self.spec.shared_prefix)
-        use_fused_norms(hf_model)  # bf16 on the CPU: trainer/cpu/norm.py
-        if self.device.type == "cpu" and self.spec.dtype == "bfloat16":
+        # The CPU paths read weights as plain tensors: off where layers are split.
+        fast = not self.layout.tensor_parallel
+        if fast:
+            use_fused_norms(hf_model)  # bf16 on the CPU: trainer/cpu/norm.py
+        if fast and self.device.type == "cpu" and self.spec.dtype == "bfloat16":
             # Only where they apply: elsewhere the modules stay HF's own, untouched.
             use_contiguous_weight_grads(hf_model.get_decoder())  # trainer/cpu/linear.py
             use_fused_mlps(hf_model)  # trainer/cpu/mlp.py
@@ -324,7 +342,7 @@ class FSDPTrainEngine:
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(hf_model)
         if self.spec.shared_prefix:
-            _check_packable(self.model)
+            _check_packable(self.model, self.layout)
         self._shard(self.model)
         if cores.current() is not None:
             _follow_core_share(self.model.hf.get_decoder().layers)
@@ -357,7 +375,10 @@ class FSDPTrainEngine:
             if self.spec.dtype == "bfloat16":
                 self._compute_weights = ComputeWeights(model, torch.bfloat16)
             return
-        mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        mesh = parallel.make_mesh(self.device.type, self.layout)
+        if self.layout.tensor_parallel:
+            parallel.apply_tensor_parallel(model.hf, mesh)
+            self._data_group, mesh = parallel.data_group(mesh, self.layout), mesh["dp"]
         if self.spec.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
@@ -399,9 +420,9 @@ class FSDPTrainEngine:
         """(rows, real) for this rank; a rank short of micro-batches repeats one, not real."""
         lengths = batch.seq_lens.tolist()
         spec = self.spec.mb_spec
-        plans = plan_micro_batches(lengths, spec.max_tokens_per_mb, self.world_size,
+        plans = plan_micro_batches(lengths, spec.max_tokens_per_mb, self.layout.data,
                                    spec.granularity)
-        mine = plans[self.rank]
+        mine = plans[self.layout.data_rank(self.rank)]
         n = max(len(p) for p in plans)
         return [(mine[i], True) if i < len(mine) else (mine[0], False) for i in range(n)]
 
@@ -439,8 +460,8 @@ class FSDPTrainEngine:
                 if real:
                     out[torch.as_tensor(rows, device=self.device),
                         : per_token.shape[1]] = per_token
-        if self.world_size > 1:
-            dist.all_reduce(out)  # each row is non-zero on exactly one rank
+        if self.layout.data > 1:  # each row is non-zero in exactly one data-parallel group
+            dist.all_reduce(out, group=self._data_group)
         return out.cpu()
 
     @cores.busy()  # this process's share of the cores (api/cores.py), if it has one
@@ -486,7 +507,7 @@ class FSDPTrainEngine:
         self.steps_done += 1
         stats = reduce_stats(mb_stats)
         stats["loss"] = loss_sum
-        stats = _reduce_stats_across_ranks(stats, self.device)
+        stats = _reduce_stats_across_ranks(stats, self.device, self._data_group)
         stats.update(grad_norm=grad_norm, lr=lr, n_mbs=float(len(micro_batches)),
                      n_tokens=float(n_tokens), n_seqs=float(n_seqs), update_skipped=float(skipped))
         return stats
@@ -524,10 +545,8 @@ class FSDPTrainEngine:
         params = [p for p in self._require_model().parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = grad_ops.total_norm(grads) if cpu_paths().norm_in_c else None
-        if norm is None:
-            norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # per-shard partial norms -> the global norm
+        if norm is None:  # per-shard partial norms -> the global norm, whole on every rank
+            norm = parallel.total_norm(grads)
         max_norm = self.spec.optimizer.gradient_clipping
         total = float(norm)
         # Scaling by a coefficient of 1 would be a wasted pass over every gradient.
@@ -537,7 +556,7 @@ class FSDPTrainEngine:
                 # the inverse of clip_grads_with_norm_'s coefficient max_norm / (norm + 1e-6)
                 self.optimizer.grad_scale = (norm.detach().float() + 1e-6) / max_norm
             else:
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+                parallel.clip_grads_with_norm_(params, max_norm, norm)
         return total
 
     # ---- saving -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""allocation_mode strings, and how they set rollout.backend and rollout.n_servers."""
+"""allocation_mode strings and AReaL's per-engine spelling (rollout.backend: vllm:d2t4,
+actor.backend: fsdp:d2t2), and how they set rollout.backend, n_servers and the trainer mesh."""
 
 import pytest
 
@@ -12,6 +13,11 @@ from asyncrl.config.allocation import Allocation, parse_allocation_mode
     ("local:d1+fsdp:d1", Allocation("local", 1, 1)),
     ("vllm:d3t1p1+d2", Allocation("vllm", 3, 2)),  # t1/p1 and a bare d<M> are accepted
     (" sglang:d8 + fsdp:d16 ", Allocation("sglang", 8, 16)),
+    # 2 servers of 4 GPUs; 2 x 2 trainer ranks (d2 data groups of t2 tensor ranks)
+    ("vllm:d2t4+fsdp:d2t2", Allocation("vllm", 2, 4, False, 4, 2)),
+    ("sglang:t2d1+fsdp:t4d1", Allocation("sglang", 1, 4, False, 2, 4)),  # any order
+    ("vllm:d1t2|fsdp:d1t2", Allocation("vllm", 1, 2, True, 2, 2)),  # the same 2 GPUs
+    ("vllm:d2t2|fsdp:d4", Allocation("vllm", 2, 4, True, 2, 1)),
 ])
 def test_good_allocation_modes_parse(mode, expected):
     assert parse_allocation_mode(mode) == expected
@@ -22,8 +28,11 @@ def test_good_allocation_modes_parse(mode, expected):
     ("vllm:d2+fsdp:d1+x", "one '\\+'"),
     ("trt:d2+fsdp:d1", "backend 'trt' is not one of"),
     ("vllm:2+fsdp:d1", "inference part 'vllm:2'"),
-    ("vllm:d2t2+fsdp:d1", "tensor parallel inference \\(t2\\) is not supported"),
-    ("vllm:d2p4+fsdp:d1", "pipeline parallel inference \\(p4\\) is not supported"),
+    ("vllm:d2p4+fsdp:d1", "pipeline parallelism \\(p4\\) is not supported"),
+    ("vllm:d2t2t2+fsdp:d1", "gives t more than once"),
+    ("vllm:t2+fsdp:d1", "has no d<N>"),
+    ("vllm:d2+fsdp:d1t0", "t must be >= 1"),
+    ("vllm:d2t2|fsdp:d2", "here 4 for the servers and 2 for the ranks"),
     ("vllm:d2+megatron:d1", "training engine 'megatron' is not supported"),
     ("vllm:d2+fsdp:x1", "training part 'fsdp:x1'"),
     ("vllm:d0+fsdp:d1", "d must be >= 1"),
@@ -72,3 +81,78 @@ def test_allocation_mode_must_fit_the_gpus_of_the_cluster():
     assert (cfg.rollout.n_servers, cfg.trainer_world_size) == (2, 4)
     with pytest.raises(ConfigError, match="scheduler.type=local runs on one machine"):
         _load("cluster.n_nodes=2")
+
+
+def test_canonical_spellings_read_back_as_the_same_allocation():
+    alloc = parse_allocation_mode("vllm:t4d2 + d2t2")
+    assert (alloc.mode, alloc.rollout_part, alloc.train_part) == (
+        "vllm:d2t4+fsdp:d2t2", "vllm:d2t4", "fsdp:d2t2")
+    assert parse_allocation_mode(alloc.mode) == alloc
+    assert (alloc.n_gpus, alloc.server_gpus, alloc.trainer_data_size) == (12, 8, 2)
+
+
+def test_per_engine_backends_set_the_same_layout_as_allocation_mode():
+    gpus = ("cluster.n_gpus_per_node=8", "cluster.n_nodes=2", "scheduler.type=ray")
+    whole = _load("allocation_mode=vllm:d2t4+fsdp:d2t2", *gpus)
+    split = _load("rollout.backend=vllm:d2t4", "actor.backend=fsdp:d2t2", *gpus)
+    for cfg in (whole, split):
+        assert (cfg.allocation_mode, cfg.rollout.backend, cfg.rollout.n_servers,
+                cfg.actor.backend) == ("vllm:d2t4+fsdp:d2t2", "vllm", 2, "fsdp:d2t2")
+        assert (cfg.trainer_world_size, cfg.server_tensor_size) == (4, 4)
+    # Each key alone: the other side keeps its default (one local server, one rank).
+    cfg = _load("actor.backend=fsdp:d1t2")
+    assert (cfg.allocation_mode, cfg.trainer_world_size) == ("local:d1+fsdp:d1t2", 2)
+    cfg = _load("rollout.backend=sglang:d3")
+    assert (cfg.allocation_mode, cfg.rollout.n_servers) == ("sglang:d3+fsdp:d1", 3)
+    # Repeating allocation_mode is fine; so is loading a resolved config again.
+    cfg = _load("allocation_mode=vllm:d2t4+fsdp:d2t2", "rollout.backend=vllm:d2t4",
+                "actor.backend=fsdp:d2t2", "rollout.n_servers=2", *gpus)
+    assert cfg.trainer_world_size == 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["allocation_mode=vllm:d2+fsdp:d4", "actor.backend=fsdp:d2t2"],
+     "actor.backend='fsdp:d2t2' contradicts allocation_mode='vllm:d2\\+fsdp:d4' "
+     "\\(training part fsdp:d4\\)"),
+    (["allocation_mode=vllm:d2+fsdp:d4", "rollout.backend=vllm:d2t2"],
+     "rollout.backend='vllm:d2t2' contradicts allocation_mode='vllm:d2\\+fsdp:d4' "
+     "\\(inference part vllm:d2\\)"),
+    (["allocation_mode=vllm:d2+fsdp:d4", "rollout.backend=sglang:d2"],
+     "rollout.backend=sglang:d2 contradicts allocation_mode"),
+    (["rollout.backend=vllm:d2", "rollout.n_servers=3"],
+     "rollout.n_servers=3 contradicts rollout.backend='vllm:d2'"),
+    (["actor.backend=megatron:d2"], "actor.backend='megatron:d2': training engine 'megatron'"),
+    (["actor.backend=fsdp:2"], "actor.backend='fsdp:2': '2' is not a layout"),
+    (["rollout.backend=trt:d2"], "rollout.backend='trt:d2': backend 'trt' is not one of"),
+])
+def test_layout_keys_that_disagree_or_are_malformed_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(*overrides)
+
+
+def test_inference_tensor_parallel_needs_gpus_and_a_backend_that_splits_a_model():
+    with pytest.raises(ConfigError, match="our local engine runs each server on one device"):
+        _load("rollout.backend=local:d1t2", "cluster.n_gpus_per_node=4")
+    with pytest.raises(ConfigError, match="cluster.n_gpus_per_node=0 \\(a CPU machine\\)"):
+        _load("rollout.backend=vllm:d1t2")
+    with pytest.raises(ConfigError, match="one rank per server, but each server .* is 2 "
+                                          "tensor-parallel workers; use actor.weight_update_"
+                                          "mode=disk"):
+        _load("rollout.backend=vllm:d1t2", "cluster.n_gpus_per_node=4",
+              "actor.weight_update_mode=broadcast")
+    # Training tensor parallelism runs on the CPU (gloo), but not with the trie attention.
+    assert _load("actor.backend=fsdp:d2t2").trainer_world_size == 4
+    with pytest.raises(ConfigError, match="actor.shared_prefix=true .* set "
+                                          "actor.shared_prefix=false"):
+        _load("actor.backend=fsdp:d1t2", "actor.shared_prefix=true")
+
+
+def test_tensor_parallel_layouts_count_every_gpu_of_the_cluster():
+    cfg = _load("allocation_mode=vllm:d1t4+fsdp:d2t2", "cluster.n_gpus_per_node=8")
+    assert cfg.trainer_world_size == 4
+    with pytest.raises(ConfigError, match="needs 8 inference \\+ 4 trainer GPUs but "
+                                          "cluster.n_nodes x cluster.n_gpus_per_node = 8"):
+        _load("allocation_mode=vllm:d2t4+fsdp:d2t2", "cluster.n_gpus_per_node=8")
+    # Colocated: the servers' 2 x 2 GPUs are the trainer's 4 ranks' GPUs.
+    cfg = _load("allocation_mode=vllm:d2t2|fsdp:d2t2", "cluster.n_gpus_per_node=4")
+    assert cfg.colocated and cfg.rollout.gpu_memory_fraction == 0.5

@@ -50,7 +50,8 @@ def test_known_keys_show_the_dataclass_type_and_default():
     assert _row(page, "actor.optimizer.lr")[1:3] == ["float", "`1e-06`"]
     # The offline model's optimiser is built by a factory with lr=1e-5, not the class's 1e-6.
     assert _row(page, "model.optimizer.lr")[1:3] == ["float", "`1e-05`"]
-    assert _row(page, "rollout.backend")[1:3] == ['"local", "vllm", "sglang" or null', "`null`"]
+    assert _row(page, "rollout.admission")[1:3] == ['"demand", "bound"', '`"demand"`']
+    assert _row(page, "rollout.backend")[1:3] == ["str or null", "`null`"]  # or "vllm:d2t4"
     assert _row(page, "critic")[1:3] == ["section or null", "`null`"]
 
 

@@ -77,3 +77,23 @@ def test_vllm_spec_binds_its_engine_to_the_worker_host_and_cores():
     assert env["VLLM_CACHE_ROOT"] == os.environ.get("VLLM_CACHE_ROOT", "/run/vllm-cache")
     gpu = inference_spec("sglang", "/m", LocalEngineConfig(), n_servers=2, seed=0, device="cuda")
     assert gpu.gpus == 1 and gpu.worker_args == [["--random-seed", "0"], ["--random-seed", "1"]]
+
+
+@pytest.mark.parametrize("backend, flag", [("vllm", "--tensor-parallel-size"),
+                                           ("sglang", "--tp-size")])
+def test_tensor_parallel_servers_get_their_flag_and_that_many_gpus(backend, flag):
+    spec = inference_spec(backend, "/m", LocalEngineConfig(), n_servers=2, seed=0,
+                          device="cuda", tensor_parallel_size=4)
+    argv = spec.argv(0, {"host": "h", "port": "1", "cpus": "1"})
+    assert argv[argv.index(flag) + 1] == "4" and spec.gpus == 4
+    one = inference_spec(backend, "/m", LocalEngineConfig(), n_servers=1, seed=0, device="cuda")
+    assert flag not in one.argv(0, {"host": "h", "port": "1", "cpus": "1"})
+
+
+def test_tensor_parallel_is_refused_for_our_engine_and_on_the_cpu():
+    with pytest.raises(ValueError, match="our local engine runs each server on one device"):
+        inference_spec("local", "/m", LocalEngineConfig(), n_servers=1, seed=0, device="cuda",
+                       tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="but device is 'cpu'"):
+        inference_spec("vllm", "/m", LocalEngineConfig(), n_servers=1, seed=0,
+                       tensor_parallel_size=2)

@@ -32,8 +32,8 @@ def test_colocated_pairs_take_one_gpu_each_and_separate_parts_their_sum(mode, ex
 
 
 @pytest.mark.parametrize("mode, message", [
-    ("local:d2|fsdp:d1", r"both sides need the same d \(here d2 and d1\); use "
-                         r"'local:d1\|fsdp:d1', or '\+' for separate GPUs"),
+    ("local:d2|fsdp:d1", r"both sides need as many \(here 2 for the servers and 1 for the "
+                         r"ranks\); e.g. 'local:d1\|fsdp:d1', or '\+' for separate GPUs"),
     ("local:d1|fsdp:d1+x", r"one '\+' or '\|'"),
     ("local:d1||fsdp:d1", r"one '\+' or '\|'"),
 ])
@@ -192,6 +192,24 @@ def test_two_colocated_pairs_on_two_gpus(tmp_path, tiny_path):
     gpus = {key: env["CUDA_VISIBLE_DEVICES"] for key, (_, env) in started.items()}
     assert gpus == {("inference", 0): "0", ("inference", 1): "1", ("trainer", 0): "0",
                     ("trainer", 1): "1"}
+
+
+def test_tensor_parallel_servers_take_t_gpus_each_after_the_trainer_mesh(tmp_path, tiny_path):
+    started = _started(tmp_path, tiny_path, "rollout.backend=vllm:d2t2",
+                       "actor.backend=fsdp:d2t2", "cluster.n_gpus_per_node=8")
+    gpus = {key: env["CUDA_VISIBLE_DEVICES"] for key, (_, env) in started.items()}
+    assert gpus == {("inference", 0): "4,5", ("inference", 1): "6,7", ("trainer", 0): "0",
+                    ("trainer", 1): "1", ("trainer", 2): "2", ("trainer", 3): "3"}
+    assert _flag(started["inference", 1][0], "--tensor-parallel-size") == "2"
+    assert started["trainer", 3][1]["WORLD_SIZE"] == "4"
+
+
+def test_a_colocated_tensor_parallel_server_spans_the_ranks_gpus(tmp_path, tiny_path):
+    started = _started(tmp_path, tiny_path, "allocation_mode=sglang:d1t2|fsdp:d1t2",
+                       "cluster.n_gpus_per_node=2")
+    gpus = {key: env["CUDA_VISIBLE_DEVICES"] for key, (_, env) in started.items()}
+    assert gpus == {("inference", 0): "0,1", ("trainer", 0): "0", ("trainer", 1): "1"}
+    assert _flag(started["inference", 0][0], "--tp-size") == "2"
 
 
 @pytest.mark.parametrize("backend, flag", [("vllm", "--gpu-memory-utilization"),
