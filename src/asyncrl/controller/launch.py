@@ -45,7 +45,7 @@ from asyncrl.controller.specs import (
 )
 from asyncrl.controller.weight_update import WeightUpdateClient
 from asyncrl.launch.base import Scheduler, WorkerSpec
-from asyncrl.launch.commands import inference_spec
+from asyncrl.launch.commands import LoraServing, inference_spec
 from asyncrl.launch.local import LocalScheduler, rank_cores, split_cores
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe.paths import RunPaths
@@ -159,7 +159,9 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         n_servers=n_servers, seed=cfg.seed, device=device,
         cpus=cfg.scheduler.inference_threads or 1, extra_args=extra,
         cache_dir=str(paths.logs / "vllm-cache"),
-        gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None)
+        gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None,
+        lora=(LoraServing(cfg.actor.lora_rank, tuple(cfg.actor.target_modules))
+              if cfg.actor.use_lora else None))
     if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "ipc":
         # vLLM takes the IPC handles pickled (its HTTP form); the servers bind 127.0.0.1
         # (ipc needs the local scheduler), so only this machine's processes can send them.
