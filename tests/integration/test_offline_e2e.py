@@ -137,3 +137,84 @@ def test_rm_entry_point_runs_the_example_config_on_a_folder_with_saves_and_syste
     for step in (1, 2):  # saver.freq_steps=1 saves step 1; the final model is step 2
         config = AutoConfig.from_pretrained(run / "checkpoints" / f"step{step}")
         assert config.num_labels == 1 and config.system_prompt == "Be fair."
+
+
+@pytest.fixture
+def trained_weights(monkeypatch):
+    """The weights of each LoRA engine an offline run trained, taken as it is destroyed:
+    {name: (tensor, requires_grad)} per engine."""
+    from torch.distributed.tensor import DTensor
+
+    from asyncrl.trainer import FSDPTrainEngine
+
+    taken, destroy = [], FSDPTrainEngine.destroy
+
+    def take_then_destroy(engine):
+        if engine.lora_config is not None:
+            taken.append({n.removeprefix("hf."): (
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone(),
+                p.requires_grad) for n, p in engine.model.named_parameters()})
+        destroy(engine)
+
+    monkeypatch.setattr(FSDPTrainEngine, "destroy", take_then_destroy)
+    return taken
+
+
+def check_only_adapters_trained(weights, base_dir, model_dir, targets):
+    """Every base weight is the base file's, bit for bit; the trainable parameters are the
+    adapters of `targets` alone, every B moved from its zero start; the saved model is the
+    adapter folder of exactly those."""
+    import torch
+    from safetensors.torch import load_file
+
+    base = load_file(str(Path(base_dir) / "model.safetensors"))
+    trainable = sorted(n for n, (_, grad) in weights.items() if grad)
+    modules = sorted({n.split(".lora_")[0] for n in trainable})
+    assert modules and all(m.rsplit(".", 1)[1] in targets for m in modules)
+    assert trainable == sorted(f"{m}.lora_{ab}.default.weight" for m in modules for ab in "AB")
+    assert all(weights[f"{m}.lora_B.default.weight"][0].abs().max() > 0 for m in modules)
+    frozen = {n.replace(".base_layer.", "."): t for n, (t, grad) in weights.items() if not grad}
+    assert set(base) <= set(frozen)
+    assert all(torch.equal(frozen[n], base[n].float()) for n in base)
+    saved = load_file(str(Path(model_dir) / "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(f"base_model.model.{m}.lora_{ab}.weight"
+                                   for m in modules for ab in "AB")
+    config = json.loads((Path(model_dir) / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert not (Path(model_dir) / "model.safetensors").exists()
+
+
+LORA = ["model.use_lora=true", "model.lora_rank=4", "model.lora_alpha=8"]
+
+
+def test_sft_with_lora_trains_the_adapters_alone_and_saves_their_folder(
+        tmp_path, tiny_model, trained_weights):
+    pytest.importorskip("peft")
+    data = write_jsonl(tmp_path / "toy.jsonl", [
+        {"prompt": f"Count to {n}", "answer": " ".join(str(i) for i in range(1, n + 1))}
+        for n in (3, 4, 5, 6)])
+    cfg = load_config(None, common(tmp_path, tiny_model, data, "sft-lora") + LORA + [
+        "train_dataset.batch_size=4", "total_train_epochs=6", "model.optimizer.lr=3e-2"],
+        schema=SFTConfig)
+    summary = sft.train(cfg)
+    assert summary["eval_after"]["loss"] < 0.9 * summary["eval_before"]["loss"]
+    [weights] = trained_weights
+    all_linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    check_only_adapters_trained(weights, tiny_model, summary["model_dir"], all_linear)
+
+
+def test_dpo_with_lora_trains_the_adapters_alone_and_saves_their_folder(
+        tmp_path, tiny_model, trained_weights):
+    pytest.importorskip("peft")
+    data = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": f"Greet {name}", "chosen": f"Hello {name}!", "rejected": f"Go away {name}."}
+        for name in ("Ann", "Bob", "Cy", "Di")])
+    cfg = load_config(None, common(tmp_path, tiny_model, data, "dpo-lora") + LORA + [
+        "model.target_modules=[q_proj,v_proj]", "train_dataset.batch_size=2",
+        "total_train_epochs=2", "model.optimizer.lr=1e-2", "beta=0.5"], schema=DPOConfig)
+    summary = dpo.train(cfg)
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert before["reward_margin"] == pytest.approx(0.0, abs=1e-4)  # B = 0: the reference
+    assert after["reward_margin"] > 0 and after["loss"] < before["loss"]
+    [weights] = trained_weights  # the reference engine has no adapters
+    check_only_adapters_trained(weights, tiny_model, summary["model_dir"], ("q_proj", "v_proj"))

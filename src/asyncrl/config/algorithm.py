@@ -111,9 +111,10 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     # LoRA (AReaL's keys): train low-rank adapters W + (lora_alpha / lora_rank) B A on the
     # target_modules' weights (PEFT, trainer/lora.py) with the base frozen; each publish
-    # and saved HF folder carries the adapters alone (the servers merge them into their
-    # base, `asyncrl export-merged` writes a merged model), and the KL reference is the base
-    # (the adapters switched off), not a second copy. Needs `pip install 'asyncrl[lora]'`.
+    # and saved HF folder carries the adapters alone (our engine merges them into its base,
+    # vLLM and SGLang load them as adapters; `asyncrl export-merged` writes a merged
+    # model), and the KL reference is the base (the adapters switched off), not a second
+    # copy. Needs `pip install 'asyncrl[lora]'`.
     use_lora: bool = False
     lora_rank: int = 32  # r, the adapters' inner dimension
     lora_alpha: int = 16  # the adapters' output is scaled by lora_alpha / lora_rank

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
+from asyncrl.config.algorithm import _check_lora_keys
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import (
     ClusterConfig,
@@ -51,6 +52,20 @@ class TrainEngineConfig:
     # Rows sharing a prefix (DPO's chosen and rejected share their prompt) run it once, as
     # a token trie (trainer/prefix.py); exact. Needs sdpa attention.
     shared_prefix: bool = False
+    # LoRA (the RL actor's keys): train low-rank adapters W + (lora_alpha / lora_rank) B A
+    # on the target_modules' weights (PEFT, trainer/lora.py) with the base frozen; the saved
+    # HF folders are adapter folders (`asyncrl export-merged` writes a merged model). SFT
+    # and DPO only. Needs `pip install 'asyncrl[lora]'`.
+    use_lora: bool = False
+    lora_rank: int = 32  # r, the adapters' inner dimension
+    lora_alpha: int = 16  # the adapters' output is scaled by lora_alpha / lora_rank
+    # Module names to adapt (q_proj, v_proj, ...) or "all-linear": every linear layer of the
+    # decoder, not the output projection.
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    peft_type: str = "lora"  # the PEFT method; only "lora" is supported
+
+    def __post_init__(self) -> None:
+        _check_lora_keys(self, "model")
 
     def engine_spec(self, *, device: str) -> TrainEngineSpec:
         """What `FSDPTrainEngine` reads of this section, its ranks on `device`."""
@@ -294,6 +309,14 @@ class RMConfig(PreferenceConfig):
 
     TRAINER: ClassVar[str] = "reward-model"
     experiment_name: str = "asyncrl-rm"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The fresh score head would have to train whole beside the adapters and be saved
+        # with them, which the adapter folder (LoRA factors only) does not hold.
+        _check(not self.model.use_lora,
+               "model.use_lora=true: reward-model training does not take LoRA adapters yet "
+               "(its new score head trains whole); set model.use_lora=false")
 
 
 TRAINER_SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}

@@ -742,17 +742,17 @@ class ExperimentConfig:
                "scheduler.weight_update to inline or auto")
 
     def _check_lora(self) -> None:
-        """What actor.use_lora needs of the servers: adapters arrive by disk at our engine."""
+        """What actor.use_lora needs of the servers: adapter folders, by disk."""
         if not self.actor.use_lora:
             return
         _check(self.actor.weight_update_mode == "disk",
                f"actor.use_lora=true publishes the adapters alone, as a folder each server "
-               f"merges into its base; actor.weight_update_mode={self.actor.weight_update_mode} "
-               "sends full weights. Set actor.weight_update_mode=disk")
-        _check(self.rollout.backend == "local",
-               f"actor.use_lora=true: the {self.rollout.backend} backend does not load "
-               "adapter versions here yet; set rollout.backend=local (and allocation_mode's "
-               "backend to local)")
+               f"loads beside its base; actor.weight_update_mode="
+               f"{self.actor.weight_update_mode} sends full weights. Set "
+               "actor.weight_update_mode=disk")
+        _check(self.rollout.backend != "vllm" or self.actor.lora_rank <= 512,
+               f"actor.lora_rank={self.actor.lora_rank}: vLLM serves LoRA ranks up to 512; "
+               "choose a smaller rank or rollout.backend=local")
 
     @property
     def allocation(self) -> Allocation | None:

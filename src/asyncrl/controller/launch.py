@@ -46,7 +46,7 @@ from asyncrl.controller.specs import (
 )
 from asyncrl.controller.weight_update import WeightUpdateClient
 from asyncrl.launch.base import Scheduler, WorkerSpec
-from asyncrl.launch.commands import inference_spec
+from asyncrl.launch.commands import LoraServing, inference_spec
 from asyncrl.launch.local import LocalScheduler, rank_cores, split_cores
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.observe.paths import RunPaths
@@ -161,7 +161,9 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         cpus=cfg.scheduler.inference_threads or 1, extra_args=extra,
         cache_dir=str(paths.logs / "vllm-cache"),
         gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None,
-        tensor_parallel_size=cfg.server_tensor_size)
+        tensor_parallel_size=cfg.server_tensor_size,
+        lora=(LoraServing(cfg.actor.lora_rank, tuple(cfg.actor.target_modules))
+              if cfg.actor.use_lora else None))
     if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "ipc":
         # vLLM takes the IPC handles pickled (its HTTP form); the servers bind 127.0.0.1
         # (ipc needs the local scheduler), so only this machine's processes can send them.

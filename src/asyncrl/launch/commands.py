@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.launch.base import WorkerSpec
@@ -17,6 +18,36 @@ from asyncrl.launch.base import WorkerSpec
 BACKENDS = ("local", "vllm", "sglang")
 # vLLM on CPU: every prefill in one step (its token budget then covers --max-model-len).
 CPU_WHOLE_PREFILLS = ["--no-enable-chunked-prefill"]
+# The ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """What a vLLM or SGLang server must know at start to load the trainer's LoRA adapters
+    at run time (actor.lora_rank, actor.target_modules); our own engine needs nothing."""
+
+    rank: int
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+
+def lora_server_args(backend: str, lora: LoraServing) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) that let a `backend` server load adapters of `lora`'s shape by
+    its HTTP API while it runs."""
+    if backend == "local":
+        return [], {}  # our engine merges each published adapter folder into its base
+    if backend == "vllm":
+        fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
+        if not fits:
+            raise ValueError(f"actor.lora_rank={lora.rank}: vLLM serves ranks up to "
+                             f"{VLLM_LORA_RANKS[-1]}; choose a smaller rank")
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this variable
+        return (["--enable-lora", "--max-lora-rank", str(fits[0])],
+                {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    # SGLang sizes its adapter buffers at start: the largest rank and every target module
+    targets = ["all"] if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank),
+            "--lora-target-modules", *targets], {}
 
 
 def server_command(backend: str, model_path: str, host: str, port: int, *,
@@ -88,7 +119,8 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
                    n_servers: int, seed: int, device: str = "cpu", cpus: int = 1,
                    extra_args: Sequence[str] = (), cache_dir: str | None = None,
                    gpu_memory_fraction: float | None = None,
-                   tensor_parallel_size: int = 1) -> WorkerSpec:
+                   tensor_parallel_size: int = 1,
+                   lora: LoraServing | None = None) -> WorkerSpec:
     """`n_servers` `backend` servers as the "inference" role; server i samples with seed + i.
 
     Each server runs `cpus` threads; `device` "cuda" also gives each one GPU (its scheduler
@@ -96,6 +128,7 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
     its GPU's memory each server may take (`rollout.gpu_memory_fraction`; GPU servers only).
     `tensor_parallel_size`: the GPUs each server splits its model over (vLLM and SGLang on
     GPUs; the t of `rollout.backend: vllm:d<N>t<T>`); with "cuda" each server gets that many.
+    `lora`: the servers load LoRA adapters of that shape (actor.use_lora).
     """
     if backend == "local":
         extra = ["--threads", "{cpus}", "--max-batch-size", str(engine_cfg.max_batch_size),
@@ -123,6 +156,10 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
     argv = server_argv(backend, model_path, "{host}", "{port}", dtype=engine_cfg.dtype,
                        device=device)
     env = server_env(backend, "{host}", device)
+    if lora is not None:
+        lora_argv, lora_env = lora_server_args(backend, lora)
+        extra += lora_argv
+        env.update(lora_env)
     if device == "cpu" and backend == "vllm":
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "{cores}")
     if backend == "vllm" and cache_dir:

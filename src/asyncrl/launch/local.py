@@ -39,7 +39,7 @@ from asyncrl.launch.base import (
     wait_healthy,
     write_registry,
 )
-from asyncrl.launch.commands import inference_spec
+from asyncrl.launch.commands import LoraServing, inference_spec
 
 __all__ = ["LocalScheduler", "SchedulerError", "free_port", "split_cores"]
 
@@ -203,18 +203,20 @@ class LocalScheduler:
     def launch_inference_servers(self, model_path: str, engine_cfg: LocalEngineConfig, *,
                                  n_servers: int, seed: int, backend: str = "local",
                                  device: str = "cpu", first_gpu: int = 0,
-                                 extra_args: Sequence[str] = ()) -> list[str]:
+                                 extra_args: Sequence[str] = (),
+                                 lora: LoraServing | None = None) -> list[str]:
         """Start `n_servers` `backend` servers, wait until all are healthy, return their addresses.
 
         `device` "cpu" pins each server to its cores; "cuda" gives server i GPU first_gpu + i
         (the trainer's ranks use GPUs 0 .. first_gpu - 1); "cuda:<ids>" gives all of them <ids>.
+        `lora`: the servers load LoRA adapters of that shape.
         """
         cores = sorted(os.sched_getaffinity(0))
         server_cores, self.trainer_cores = split_cores(
             cores, self.cfg.inference_threads, self.cfg.trainer_threads, n_servers)
         spec = inference_spec(backend, model_path, engine_cfg, n_servers=n_servers, seed=seed,
                               device=device, cpus=len(server_cores[0]), extra_args=extra_args,
-                              cache_dir=str(self.log_dir / "vllm-cache"))
+                              cache_dir=str(self.log_dir / "vllm-cache"), lora=lora)
         spec.cores = server_cores
         if device != "cpu":
             self.trainer_cores = []  # the trainer computes on its GPUs: leave its cores alone

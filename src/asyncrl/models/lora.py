@@ -7,8 +7,9 @@ module whose base weight is `<module>.weight` [out, in]. PEFT, vLLM and SGLang l
 folders as they are.
 
 Merging is W + scaling * B @ A, in fp32, with scaling = lora_alpha / r (lora_alpha /
-sqrt(r) with use_rslora). The inference servers merge each published version into the
-base they keep; `asyncrl export-merged` writes the merged model. Neither needs PEFT.
+sqrt(r) with use_rslora). Our inference engine merges each published version into the
+base it keeps (vLLM and SGLang load the folder as an adapter instead); `asyncrl
+export-merged` writes the merged model. Neither needs PEFT.
 """
 
 from __future__ import annotations

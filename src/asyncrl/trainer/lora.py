@@ -7,7 +7,8 @@ forward, its CPU paths and FSDP2 see the same modules, now with `base_layer` and
 
 The KL reference under LoRA is the same model with the adapters switched off
 (`adapters_off`), not a second copy. What the engine saves and publishes are the adapters
-alone, in PEFT's folder format (`models/lora.py`), which the servers merge into their base.
+alone, in PEFT's folder format (`models/lora.py`): our engine merges it into its base,
+vLLM and SGLang load it as an adapter.
 """
 
 from __future__ import annotations

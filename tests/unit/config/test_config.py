@@ -185,9 +185,15 @@ def test_lora_keys_load_into_the_actor_and_its_engine_spec(base_yaml):
      r"init_from_scratch=true would train adapters on random weights"),
     (["actor.use_lora=true", "actor.weight_update_mode=broadcast"],
      r"actor.use_lora=true publishes the adapters alone.*weight_update_mode=disk"),
-    (["actor.use_lora=true", "rollout.backend=vllm"],
-     r"the vllm backend does not load adapter versions here yet; set rollout.backend=local"),
+    (["actor.use_lora=true", "rollout.backend=vllm", "actor.lora_rank=1024"],
+     r"actor.lora_rank=1024: vLLM serves LoRA ranks up to 512"),
 ])
 def test_bad_lora_options_name_the_key(base_yaml, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(base_yaml, overrides)
+
+
+@pytest.mark.parametrize("backend", ["local", "vllm", "sglang"])
+def test_a_lora_run_loads_with_each_rollout_backend(base_yaml, backend):
+    cfg = load_config(base_yaml, ["actor.use_lora=true", f"rollout.backend={backend}"])
+    assert cfg.actor.use_lora and cfg.rollout.backend == backend

@@ -25,6 +25,15 @@ def test_dpo_keeps_pairs_together_and_its_reference_follows_the_model():
     assert (cfg.beta, cfg.loss_type, cfg.label_smoothing) == (0.1, "sigmoid", 0.0)
 
 
+@pytest.mark.parametrize("schema", [SFTConfig, DPOConfig])
+def test_lora_keys_of_the_model_section_reach_its_engine_spec(schema):
+    cfg = load_config(None, [DATA, "model.path=m", "model.use_lora=true", "model.lora_rank=8",
+                             "model.target_modules=[q_proj,v_proj]"], schema=schema)
+    spec = cfg.model.engine_spec(device="cpu")
+    assert (spec.use_lora, spec.lora_rank, spec.lora_alpha) == (True, 8, 16)
+    assert spec.target_modules == ("q_proj", "v_proj")
+
+
 @pytest.mark.parametrize("schema, override, message", [
     (SFTConfig, "train_dataset.batch_size=0", "train_dataset.batch_size must be >= 1"),
     (SFTConfig, "train_dataset.max_length=1", "train_dataset.max_length must be >= 2"),
@@ -50,6 +59,9 @@ def test_dpo_keeps_pairs_together_and_its_reference_follows_the_model():
     (SFTConfig, "cluster.n_nodes=2", "cluster.n_nodes=2: .*set cluster.n_nodes=1"),
     (DPOConfig, "allocation_mode=fsdp:d16",
      "train_dataset.batch_size=8 is smaller than the 16 ranks of allocation_mode='fsdp:d16'"),
+    (SFTConfig, "model.lora_rank=0", "model.lora_rank must be >= 1"),
+    (DPOConfig, "model.peft_type=ia3", "model.peft_type must be 'lora'"),
+    (RMConfig, "model.use_lora=true", "reward-model training does not take LoRA adapters"),
 ])
 def test_bad_values_name_the_key(schema, override, message):
     with pytest.raises(ConfigError, match=message):

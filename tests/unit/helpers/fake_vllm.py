@@ -3,7 +3,9 @@
 /v1/completions "samples" one token every `token_s` seconds: token i of a request is
 len(prompt) + i, with log-prob -(version + 1), so a test can tell which weights sampled it.
 /pause?mode=abort ends every request in flight with finish_reason "abort" (as vLLM does)
-and holds new ones until /resume.
+and holds new ones until /resume. /v1/load_lora_adapter and /v1/unload_lora_adapter keep
+`adapters[server]` (name -> path) and answer plain text, as vLLM's; a completion whose
+"model" names no loaded adapter answers 404, as vLLM's does.
 """
 
 import asyncio
@@ -20,6 +22,7 @@ class FakeVLLMServers:
         self.healthy = [True] * n  # False: /health answers 503
         self.errors = [False] * n  # True: /v1/completions answers 500 (with healthy: a dead engine)
         self.addresses: list[str] = []
+        self.adapters: list[dict[str, str]] = [{} for _ in range(n)]
         self._paused: list[asyncio.Event] = []  # set while running
         self._aborts: list[int] = []  # abort-pauses so far, per server
         self.loop = asyncio.new_event_loop()
@@ -36,8 +39,10 @@ class FakeVLLMServers:
             app = web.Application()
             app.add_routes([web.post(p, self._handler(i, p)) for p in (
                 "/v1/completions", "/pause", "/resume", "/collective_rpc",
-                "/update_weight_version")] + [web.get("/weight_info", self._handler(i, "/weight_info")),
-                                             web.get("/health", self._handler(i, "/health"))])
+                "/update_weight_version", "/v1/load_lora_adapter",
+                "/v1/unload_lora_adapter")] + [
+                web.get("/weight_info", self._handler(i, "/weight_info")),
+                web.get("/health", self._handler(i, "/health"))])
             runner = web.AppRunner(app)
             self.loop.run_until_complete(runner.setup())
             self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
@@ -53,7 +58,18 @@ class FakeVLLMServers:
                 if self.errors[i]:
                     return web.json_response({"error": {"message": "EngineCore encountered an "
                                                         "issue."}}, status=500)
+                if "model" in body and body["model"] not in self.adapters[i]:
+                    return web.json_response({"error": {"message": f"The model `{body['model']}`"
+                                                        " does not exist."}}, status=404)
                 return web.json_response(await self._complete(i, body))
+            if path == "/v1/load_lora_adapter":
+                self.adapters[i][body["lora_name"]] = body["lora_path"]
+                return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added "
+                                         "successfully.")
+            if path == "/v1/unload_lora_adapter":
+                del self.adapters[i][body["lora_name"]]
+                return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed "
+                                         "successfully.")
             if path == "/pause":
                 self._paused[i].clear()
                 if request.query.get("mode", "abort") == "abort":

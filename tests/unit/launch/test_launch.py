@@ -97,3 +97,27 @@ def test_tensor_parallel_is_refused_for_our_engine_and_on_the_cpu():
     with pytest.raises(ValueError, match="but device is 'cpu'"):
         inference_spec("vllm", "/m", LocalEngineConfig(), n_servers=1, seed=0,
                        tensor_parallel_size=2)
+
+
+def test_lora_servers_start_ready_to_load_adapters_of_the_runs_rank():
+    from asyncrl.launch.commands import LoraServing
+
+    def argv_env(backend, lora):
+        spec = inference_spec(backend, "/m", LocalEngineConfig(), n_servers=1, seed=0, lora=lora)
+        return spec.argv(0, {"host": "h", "port": "1", "cpus": "1"}), spec.env
+
+    # vLLM takes one of its fixed ranks (1, 8, 16, 32, ...): the smallest that holds r = 12
+    argv, env = argv_env("vllm", LoraServing(12))
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"  # the load/unload routes
+    argv, _ = argv_env("sglang", LoraServing(12, ("q_proj", "v_proj")))
+    assert argv[argv.index("--max-lora-rank") + 1] == "12"
+    targets = argv.index("--lora-target-modules") + 1
+    assert argv[targets:targets + 3] == ["q_proj", "v_proj", "--random-seed"]
+    argv, _ = argv_env("sglang", LoraServing(8))
+    assert argv[argv.index("--lora-target-modules") + 1] == "all"
+    argv, env = argv_env("local", LoraServing(8))  # our engine merges each folder itself
+    assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert "--enable-lora" not in argv_env("vllm", None)[0]
+    with pytest.raises(ValueError, match="actor.lora_rank=600: vLLM serves ranks up to 512"):
+        argv_env("vllm", LoraServing(600))

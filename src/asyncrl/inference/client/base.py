@@ -615,8 +615,11 @@ class HTTPInferenceEngine:
         return await asyncio.gather(*coros, return_exceptions=True)
 
     async def _request(self, address: str, path: str, payload: Any, *, timeout: float,
-                       method: str = "POST", retries: int | None = None) -> Any:
-        """One HTTP call on the client loop; retried (with backoff) only if nobody answers."""
+                       method: str = "POST", retries: int | None = None,
+                       text: bool = False) -> Any:
+        """One HTTP call on the client loop; retried (with backoff) only if nobody answers.
+        The answer's JSON, or with `text` its body as it is (vLLM's adapter routes answer
+        plain text)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self._headers)
         retries = self.request_retries if retries is None else retries
@@ -625,11 +628,13 @@ class HTTPInferenceEngine:
             try:
                 async with self._session.request(method, url, json=payload,
                                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                    text = await r.text()
+                    body = await r.text()
                     if r.status != 200:
                         raise ServerStatusError(
-                            f"{url} answered {r.status}: {error_message(text)}", r.status)
-                    return json.loads(text) if text.strip() else {}
+                            f"{url} answered {r.status}: {error_message(body)}", r.status)
+                    if text:
+                        return body
+                    return json.loads(body) if body.strip() else {}
             except aiohttp.ClientConnectorError as e:
                 if attempt == retries:
                     raise ServerUnreachableError(f"inference server {address} cannot be reached "
@@ -673,7 +678,8 @@ def error_message(text: str) -> str:
     except ValueError:
         return text[:500]
     if isinstance(body, dict):
-        err = body.get("error", body.get("message", body.get("detail")))
+        err = body.get("error", body.get("message", body.get("detail",
+                                                              body.get("error_message"))))
         if isinstance(err, dict):
             err = err.get("message", err)
         if err is not None:

@@ -10,18 +10,39 @@ One race is left: a piece sent just before an update starts may reach the server
 its pause, wait there, and run whole under the new weights while tagged with the old
 version. Its log-probs are still right (they come from the server); only the staleness
 count of those tokens is one version high.
+
+LoRA (a published folder that is PEFT's adapter, from actor.use_lora): the server keeps its
+base weights and loads each version as a new adapter by name, `asyncrl-lora-v<N>-<k>` (k
+counts the loads, so a name is never reused and no cache of the server keys a prefix
+computed under other weights to it); each piece names the adapter of the version it runs
+under. The adapter before the newest stays loaded for a piece of the race above; older ones
+are unloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.inference.client.base import HTTPInferenceEngine, WeightUpdateError
+from asyncrl.inference.client.base import (
+    HTTPInferenceEngine,
+    InferenceServerError,
+    WeightUpdateError,
+)
+
+logger = logging.getLogger(__name__)
+ADAPTER_PREFIX = "asyncrl-lora"
+# PEFT's adapter folder (models/lora.py): what a LoRA trainer publishes
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+Step = tuple[str, Callable[[], Awaitable[Any]]]
 
 
 @dataclass
@@ -41,10 +62,23 @@ class ResubmittingEngine(HTTPInferenceEngine):
         n = len(self.addresses)
         self._epochs = [0] * n  # weight updates started on each server
         self._idle: list[asyncio.Event] | None = None  # set while no update runs (client loop)
+        self._adapters: list[list[str]] = [[] for _ in range(n)]  # LoRA names, newest last
+        self._loads = itertools.count(1)
 
-    async def _generate_piece(self, address: str, req: GenerationRequest,
-                              done_ids: list[int]) -> Piece:
-        """One generate call for `req` continued after `done_ids`, for the remaining budget."""
+    async def _generate_piece(self, address: str, req: GenerationRequest, done_ids: list[int],
+                              adapter: str | None) -> Piece:
+        """One generate call for `req` continued after `done_ids`, for the remaining budget,
+        under the LoRA adapter named `adapter` (None: the server's weights as they are)."""
+        raise NotImplementedError
+
+    def _adapter_steps(self, idx: int, path: str, version: int, name: str,
+                       use: Step) -> list[Step]:
+        """The steps that load the adapter folder `path` on server `idx` as `name` and label
+        it `version`: a pause, the load, `use` (requests name it from then on) and a resume."""
+        raise NotImplementedError
+
+    async def _unload_adapter(self, address: str, name: str) -> None:
+        """Have the server at `address` forget the adapter `name`."""
         raise NotImplementedError
 
     async def _generate_on(self, idx: int, req: GenerationRequest) -> GenerationResponse:
@@ -55,7 +89,8 @@ class ResubmittingEngine(HTTPInferenceEngine):
         while True:
             await self._idle_event(idx).wait()  # never send into a server mid-update
             epoch, version = self._epochs[idx], self._versions[idx]
-            piece = await self._generate_piece(self.addresses[idx], req, ids)
+            adapter = self._adapters[idx][-1] if self._adapters[idx] else None
+            piece = await self._generate_piece(self.addresses[idx], req, ids, adapter)
             ids += piece.output_ids
             logprobs += piece.output_logprobs
             versions += [version] * len(piece.output_ids)
@@ -80,6 +115,24 @@ class ResubmittingEngine(HTTPInferenceEngine):
         finally:
             event.set()
 
+    async def _update_adapter(self, idx: int, path: str, version: int) -> None:
+        """Load the adapter folder `path` as a new name and serve it as `version`; then
+        unload the adapters before the one it replaces (best effort)."""
+        name = f"{ADAPTER_PREFIX}-v{version}-{next(self._loads)}"
+        loaded = self._adapters[idx]
+
+        async def use() -> None:
+            loaded.append(name)
+
+        await self._update_steps(idx, version,
+                                 self._adapter_steps(idx, path, version, name, ("use", use)))
+        stale, loaded[:] = loaded[:-2], loaded[-2:]
+        for old in stale:
+            try:
+                await self._unload_adapter(self.addresses[idx], old)
+            except InferenceServerError as e:  # a restarted server no longer has it
+                logger.warning("could not unload LoRA adapter %s: %s", old, e)
+
     def _idle_event(self, idx: int) -> asyncio.Event:
         if self._idle is None:
             self._idle = [asyncio.Event() for _ in self.addresses]
@@ -93,9 +146,14 @@ class ResubmittingEngine(HTTPInferenceEngine):
         if not os.path.isabs(path) or not folder.is_dir():
             raise WeightUpdateError(f"weight update to version {version}: checkpoint {path!r} is "
                                     "not an existing folder (an absolute path is needed)")
-        missing = [name for name, ok in (
-            ("config.json", (folder / "config.json").is_file()),
-            ("*.safetensors", any(folder.glob("*.safetensors")))) if not ok]
+        needed = ([ADAPTER_WEIGHTS] if is_adapter_folder(path)
+                  else ["config.json", "*.safetensors"])
+        missing = [name for name in needed if not any(folder.glob(name))]
         if missing:
             raise WeightUpdateError(f"weight update to version {version}: checkpoint {path!r} "
                                     f"has no {' or '.join(missing)}")
+
+
+def is_adapter_folder(path: str) -> bool:
+    """True where `path` holds a LoRA adapter (PEFT's config file), not full weights."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()

@@ -7,6 +7,12 @@ Endpoints used (shapes from SGLang's http_server.py and io_struct.py):
 - POST /pause_generation {"mode": "abort"}: requests in flight end with finish_reason
   "abort" and their tokens so far (as vLLM's /pause); POST /continue_generation resumes.
 - POST /update_weights_from_disk {"model_path", "weight_version"} -> {"success", "message"}.
+- LoRA (a published adapter folder; the server is started with --enable-lora,
+  --max-lora-rank and --lora-target-modules, launch/commands.py): POST /load_lora_adapter
+  {"lora_name", "lora_path"} -> {"success", "error_message", "loaded_adapters"} between a
+  pause and a resume, then POST /update_weight_version {"new_version"}; /generate names the
+  adapter in "lora_path" (resubmit.py has the naming); POST /unload_lora_adapter
+  {"lora_name"} forgets an old one.
 - GET /model_info -> {"weight_version", ...}; GET /health. SGLang 0.5.6 added /model_info
   and deprecated /get_model_info (it logs a warning per call); servers up to 0.5.5 have only
   /get_model_info, which the client then asks instead (after one 404 per server).
@@ -33,7 +39,12 @@ from asyncrl.inference.client.base import (
     WeightBroadcast,
     WeightUpdateError,
 )
-from asyncrl.inference.client.resubmit import Piece, ResubmittingEngine
+from asyncrl.inference.client.resubmit import (
+    Piece,
+    ResubmittingEngine,
+    Step,
+    is_adapter_folder,
+)
 
 
 class SGLangInferenceEngine(ResubmittingEngine):
@@ -45,9 +56,9 @@ class SGLangInferenceEngine(ResubmittingEngine):
         super().__init__(addresses, **kwargs)
         self._old_model_info: set[str] = set()  # servers without /model_info (<= 0.5.5)
 
-    async def _generate_piece(self, address: str, req: GenerationRequest,
-                              done_ids: list[int]) -> Piece:
-        body = await self._request(address, "/generate", generate_body(req, done_ids),
+    async def _generate_piece(self, address: str, req: GenerationRequest, done_ids: list[int],
+                              adapter: str | None) -> Piece:
+        body = await self._request(address, "/generate", generate_body(req, done_ids, adapter),
                                    timeout=self.request_timeout)
         return parse_generate(body, address)
 
@@ -57,6 +68,9 @@ class SGLangInferenceEngine(ResubmittingEngine):
             address, "/pause_generation", {"mode": "abort"}, timeout=t))
         resume = ("continue_generation", lambda: self._request(
             address, "/continue_generation", {}, timeout=t))
+        if not isinstance(path, WeightBroadcast) and is_adapter_folder(path):
+            await self._update_adapter(idx, path, version)
+            return
         if not isinstance(path, WeightBroadcast):
             load = {"model_path": path, "weight_version": str(version)}
             await self._update_steps(idx, version, [pause, (
@@ -75,10 +89,30 @@ class SGLangInferenceEngine(ResubmittingEngine):
                                     f"its weights are partly updated): {e}") from e
         await self._update_steps(idx, version, [resume])
 
+    def _adapter_steps(self, idx: int, path: str, version: int, name: str,
+                       use: Step) -> list[Step]:
+        address, t = self.addresses[idx], self.update_weights_timeout
+        load = {"lora_name": name, "lora_path": path}
+        return [
+            ("pause_generation", lambda: self._request(
+                address, "/pause_generation", {"mode": "abort"}, timeout=t)),
+            ("load_lora_adapter", lambda: self._load(address, "/load_lora_adapter", load, t)),
+            ("update_weight_version", lambda: self._load(
+                address, "/update_weight_version", {"new_version": str(version)}, t)),
+            use,
+            ("continue_generation", lambda: self._request(
+                address, "/continue_generation", {}, timeout=t)),
+        ]
+
+    async def _unload_adapter(self, address: str, name: str) -> None:
+        await self._load(address, "/unload_lora_adapter", {"lora_name": name},
+                         self.update_weights_timeout)
+
     async def _load(self, address: str, route: str, load: dict[str, Any], timeout: float) -> None:
         body = await self._request(address, route, load, timeout=timeout)
         if not body.get("success", False):  # older servers answer 200 with success=false
-            raise InferenceServerError(f"{address}{route}: {body.get('message', body)}")
+            why = body.get("message") or body.get("error_message") or body
+            raise InferenceServerError(f"{address}{route}: {why}")
 
     def _join_request(self, rank: int, world_size: int, master_address: str, master_port: int,
                       group_name: str, backend: str, bucket_bytes: int) -> tuple[str, dict]:
@@ -131,10 +165,13 @@ def bucket_bodies(broadcast: WeightBroadcast, version: int) -> list[dict[str, An
     return bodies
 
 
-def generate_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:
-    """The /generate request continuing `req` after the `done_ids` already sampled."""
+def generate_body(req: GenerationRequest, done_ids: list[int],
+                  adapter: str | None = None) -> dict[str, Any]:
+    """The /generate request continuing `req` after the `done_ids` already sampled, under
+    the LoRA adapter named `adapter` (None: the base model)."""
     s = req.sampling
     return {
+        **({"lora_path": adapter} if adapter is not None else {}),
         "input_ids": list(req.input_ids) + list(done_ids),
         "sampling_params": {
             "max_new_tokens": s.max_new_tokens - len(done_ids),

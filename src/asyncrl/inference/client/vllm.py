@@ -12,6 +12,12 @@ Endpoints used (the server needs VLLM_SERVER_DEV_MODE=1 for /collective_rpc):
   the server is started with --worker-extension-cls
   asyncrl.inference.client.vllm_worker.WeightSyncExtension).
 - POST /update_weight_version {"new_version": "N"}; GET /weight_info -> {"weight_version"}.
+- LoRA (a published adapter folder; the server is started with --enable-lora,
+  --max-lora-rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, launch/commands.py): POST
+  /v1/load_lora_adapter {"lora_name", "lora_path"} between a pause and a resume, then
+  /update_weight_version; a completion names the adapter as its "model" (resubmit.py has
+  the naming); POST /v1/unload_lora_adapter {"lora_name"} forgets an old one. Both answer
+  plain text.
 - Broadcast (vLLM's weight-transfer API; the server is started with --weight-transfer-config
   '{"backend": "nccl"}', GPU only): POST /init_weight_transfer_engine {"init_info":
   {"master_address", "master_port", "rank_offset", "world_size", "packed": true,
@@ -47,11 +53,17 @@ from typing import Any
 from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
 from asyncrl.inference.client.base import (
     InferenceServerError,
+    ServerStatusError,
     WeightBroadcast,
     WeightIpc,
     WeightUpdateError,
 )
-from asyncrl.inference.client.resubmit import Piece, ResubmittingEngine
+from asyncrl.inference.client.resubmit import (
+    Piece,
+    ResubmittingEngine,
+    Step,
+    is_adapter_folder,
+)
 
 
 class VLLMInferenceEngine(ResubmittingEngine):
@@ -59,9 +71,10 @@ class VLLMInferenceEngine(ResubmittingEngine):
 
     backend = "vllm"
 
-    async def _generate_piece(self, address: str, req: GenerationRequest,
-                              done_ids: list[int]) -> Piece:
-        body = await self._request(address, "/v1/completions", completion_body(req, done_ids),
+    async def _generate_piece(self, address: str, req: GenerationRequest, done_ids: list[int],
+                              adapter: str | None) -> Piece:
+        body = await self._request(address, "/v1/completions",
+                                   completion_body(req, done_ids, adapter),
                                    timeout=self.request_timeout)
         return parse_completion(body, address)
 
@@ -69,6 +82,9 @@ class VLLMInferenceEngine(ResubmittingEngine):
         address, t = self.addresses[idx], self.update_weights_timeout
         if isinstance(path, (WeightBroadcast, WeightIpc)):
             await self._receive(idx, path, version)
+            return
+        if is_adapter_folder(path):
+            await self._update_adapter(idx, path, version)
             return
         rpc = {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": path}, "timeout": t}
         await self._update_steps(idx, version, [
@@ -78,6 +94,35 @@ class VLLMInferenceEngine(ResubmittingEngine):
                 address, "/update_weight_version", {"new_version": str(version)}, timeout=t)),
             ("resume", lambda: self._request(address, "/resume", None, timeout=t)),
         ])
+
+    def _adapter_steps(self, idx: int, path: str, version: int, name: str,
+                       use: Step) -> list[Step]:
+        address, t = self.addresses[idx], self.update_weights_timeout
+        load = {"lora_name": name, "lora_path": path}
+        return [
+            ("pause", lambda: self._request(address, "/pause?mode=abort", None, timeout=t)),
+            ("load_lora_adapter", lambda: self._load_adapter(address, load)),
+            ("update_weight_version", lambda: self._request(
+                address, "/update_weight_version", {"new_version": str(version)}, timeout=t)),
+            use,
+            ("resume", lambda: self._request(address, "/resume", None, timeout=t)),
+        ]
+
+    async def _load_adapter(self, address: str, body: dict[str, Any]) -> None:
+        try:
+            await self._request(address, "/v1/load_lora_adapter", body,
+                                timeout=self.update_weights_timeout, text=True)
+        except ServerStatusError as e:
+            if e.status == 404 and "Not Found" in str(e):  # the route itself is missing
+                raise ServerStatusError(
+                    f"{e}: this vLLM server does not load LoRA adapters; start it with "
+                    "--enable-lora --max-lora-rank <r> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                    "(a run with actor.use_lora=true does)", e.status) from e
+            raise
+
+    async def _unload_adapter(self, address: str, name: str) -> None:
+        await self._request(address, "/v1/unload_lora_adapter", {"lora_name": name},
+                            timeout=self.update_weights_timeout, text=True)
 
     async def _receive(self, idx: int, update: WeightBroadcast | WeightIpc,
                        version: int) -> None:
@@ -167,10 +212,13 @@ def ipc_update_info(update: WeightIpc) -> dict[str, Any]:
             "ipc_handles_pickled": base64.b64encode(pickled).decode()}
 
 
-def completion_body(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:
-    """The /v1/completions request continuing `req` after the `done_ids` already sampled."""
+def completion_body(req: GenerationRequest, done_ids: list[int],
+                    adapter: str | None = None) -> dict[str, Any]:
+    """The /v1/completions request continuing `req` after the `done_ids` already sampled,
+    under the LoRA adapter named `adapter` (None: the served model)."""
     s = req.sampling
     return {
+        **({"model": adapter} if adapter is not None else {}),
         "prompt": list(req.input_ids) + list(done_ids),
         "max_tokens": s.max_new_tokens - len(done_ids),
         "temperature": s.temperature,

@@ -72,3 +72,50 @@ def test_server_failing_health_leaves_routing_and_returns_resynced(tmp_path):
     resync = [p for srv, p, _ in fakes.calls if srv == 1 and p not in ("/health",)]
     assert resync == ["/weight_info", "/pause", "/collective_rpc", "/update_weight_version",
                       "/resume"]  # read its version, then loaded the current one
+
+
+def test_lora_versions_load_as_adapters_and_each_piece_names_its_own(tmp_path):
+    folders = []
+    for v in (1, 2, 3):
+        folder = tmp_path / f"a{v}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        folders.append(str(folder))
+    fakes = FakeVLLMServers(1, token_s=0.05)
+    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+    prompt = [7, 8, 9]
+
+    async def go():
+        long = asyncio.ensure_future(client.agenerate(GenerationRequest(
+            input_ids=prompt, sampling=SamplingParams(max_new_tokens=20), rid="long")))
+        await asyncio.sleep(0.2)
+        await client.update_weights_from_disk(folders[0], 1)  # mid-generation
+        r = await long
+        await client.update_weights_from_disk(folders[1], 2)
+        await client.update_weights_from_disk(folders[2], 3)
+        last = await client.agenerate(GenerationRequest(
+            input_ids=[5], sampling=SamplingParams(max_new_tokens=2)))
+        return r, last
+
+    r, last = asyncio.run(go())
+    asyncio.run(client.close())
+    pieces = [body for _, path, body in fakes.calls if path == "/v1/completions"]
+    # the first piece ran on the base (no adapter named), its continuation under v1's
+    assert "model" not in pieces[0] and pieces[1]["model"] == "asyncrl-lora-v1-1"
+    assert pieces[2]["model"] == "asyncrl-lora-v3-3"
+    n_old = r.output_versions.count(0)
+    assert 0 < n_old < 20 and r.output_versions == [0] * n_old + [1] * (20 - n_old)
+    assert last.output_versions == [3, 3]
+    loads = [(p, b) for _, p, b in fakes.calls if "lora" in p]
+    assert loads == [
+        ("/v1/load_lora_adapter", {"lora_name": "asyncrl-lora-v1-1", "lora_path": folders[0]}),
+        ("/v1/load_lora_adapter", {"lora_name": "asyncrl-lora-v2-2", "lora_path": folders[1]}),
+        ("/v1/load_lora_adapter", {"lora_name": "asyncrl-lora-v3-3", "lora_path": folders[2]}),
+        ("/v1/unload_lora_adapter", {"lora_name": "asyncrl-lora-v1-1"})]
+    # the one before the newest stays for a piece sent just before the update
+    assert fakes.adapters[0] == {"asyncrl-lora-v2-2": folders[1], "asyncrl-lora-v3-3": folders[2]}
+    # the update's steps, in order: the version label follows the load, then the resume
+    steps = [p for _, p, _ in fakes.calls if p not in ("/v1/completions", "/health",
+                                                       "/weight_info")]
+    assert steps[:4] == ["/pause", "/v1/load_lora_adapter", "/update_weight_version", "/resume"]

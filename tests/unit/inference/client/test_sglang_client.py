@@ -180,3 +180,104 @@ def test_an_error_other_than_404_from_model_info_is_raised_not_retried_on_the_ol
     with pytest.raises(InferenceServerError, match="model_info answered 503"):
         read_versions(server, 1)
     assert [p for p, _ in server.seen] == ["/model_info"]
+
+
+# LoRA: SGLang's adapter routes, in the shapes of its http_server.py and io_struct.py
+# (LoadLoRAAdapterReqInput: lora_name, lora_path; the answer LoRAUpdateOutput: success,
+# error_message, loaded_adapters, status 400 when success is false; UnloadLoRAAdapterReqInput:
+# lora_name; UpdateWeightVersionReqInput: new_version; GenerateReqInput.lora_path naming a
+# loaded adapter). Token ids, log-probs and messages are made up.
+def post(path: str, body: dict, answer: dict, status: int = 200) -> dict:
+    return {"request": {"method": "POST", "path": path, "body": body},
+            "response": {"status": status, "body": answer}}
+
+
+OK = {"message": "ok", "status": "ok"}
+
+
+def generate_entry(adapter: str | None, token: int, logprob: float) -> dict:
+    body = {"input_ids": [1, 60], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0,
+                                "top_k": -1, "stop_token_ids": [], "stop": [],
+                                "ignore_eos": False, "skip_special_tokens": False},
+            **({"lora_path": adapter} if adapter else {})}
+    return post("/generate", body, {"output_ids": [token], "meta_info": {
+        "finish_reason": {"type": "length"}, "output_token_logprobs": [[logprob, token, None]]}})
+
+
+def adapter_update(name: str, path: str, version: int, loaded: dict) -> list[dict]:
+    return [post("/pause_generation", {"mode": "abort"}, OK),
+            post("/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                 {"success": True, "error_message": "", "loaded_adapters": loaded}),
+            post("/update_weight_version", {"new_version": str(version)},
+                 {"success": True, "message": f"Weight version updated to {version}",
+                  "new_version": str(version)}),
+            post("/continue_generation", {}, OK)]
+
+
+@pytest.fixture
+def adapter_folders(tmp_path):
+    """Four LoRA adapter folders (PEFT's two files), by version."""
+    folders = {}
+    for v in (1, 2, 3, 4):
+        folder = tmp_path / f"a{v}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        folders[v] = str(folder)
+    return folders
+
+
+def test_lora_versions_load_as_new_adapters_that_generation_names(adapter_folders):
+    a = adapter_folders
+    n1, n2, n3 = "asyncrl-lora-v1-1", "asyncrl-lora-v2-2", "asyncrl-lora-v3-3"
+    entries = [
+        generate_entry(None, 70, -0.5),  # the base, before any publish
+        *adapter_update(n1, a[1], 1, {n1: a[1]}),
+        generate_entry(n1, 71, -0.25),
+        *adapter_update(n2, a[2], 2, {n1: a[1], n2: a[2]}),
+        *adapter_update(n3, a[3], 3, {n1: a[1], n2: a[2], n3: a[3]}),
+        post("/unload_lora_adapter", {"lora_name": n1},
+             {"success": True, "error_message": "", "loaded_adapters": {n2: a[2], n3: a[3]}}),
+        # a version the server cannot take: it keeps serving version 3's adapter
+        post("/pause_generation", {"mode": "abort"}, OK),
+        post("/load_lora_adapter", {"lora_name": "asyncrl-lora-v4-4", "lora_path": a[4]},
+             {"success": False, "error_message": "LoRA rank 64 exceeds max_lora_rank 8",
+              "loaded_adapters": {n2: a[2], n3: a[3]}}, status=400),
+        post("/continue_generation", {}, OK),
+        generate_entry(n3, 72, -2.0),
+    ]
+    server = ReplayServer(entries, {})
+    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    req = GenerationRequest(input_ids=[1, 60], sampling=SamplingParams(max_new_tokens=1))
+
+    async def go():
+        out = [await client.agenerate(req)]
+        await client.update_weights_from_disk(a[1], 1)
+        out.append(await client.agenerate(req))
+        await client.update_weights_from_disk(a[2], 2)
+        await client.update_weights_from_disk(a[3], 3)
+        with pytest.raises(WeightUpdateError, match="version 4 failed on .* at step "
+                           "'load_lora_adapter'.*LoRA rank 64 exceeds max_lora_rank 8"):
+            await client.update_weights_from_disk(a[4], 4)
+        out.append(await client.agenerate(req))
+        await client.close()
+        return out
+
+    out = asyncio.run(go())
+    assert server.errors == [] and all(server.used)
+    assert [p for p, _ in server.seen] == [e["request"]["path"] for e in entries]
+    assert [(r.output_ids, r.output_logprobs, r.output_versions) for r in out] == [
+        ([70], [-0.5], [0]), ([71], [-0.25], [1]), ([72], [-2.0], [3])]
+
+
+def test_an_adapter_folder_without_its_weights_is_refused_before_any_pause(adapter_folders):
+    import os
+
+    os.remove(os.path.join(adapter_folders[1], "adapter_model.safetensors"))
+    server = ReplayServer([], {})
+    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    with pytest.raises(WeightUpdateError, match="has no adapter_model.safetensors"):
+        asyncio.run(client.update_weights_from_disk(adapter_folders[1], 1))
+    asyncio.run(client.close())
+    assert server.seen == []
