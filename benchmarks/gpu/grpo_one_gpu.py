@@ -106,12 +106,12 @@ class _GapTrainer(RLTrainer):
         responses = self.rollout.run_coroutine(sample())
         tb = Batch([Trajectory.from_response(r, reward=0.0, group_id=str(i))
                     for i, r in enumerate(responses)]).to_tensors(self.tokenizer.pad_token_id or 0)
-        same = tb.loss_mask.bool() & (tb.versions == self._version)
+        same = tb.loss_mask.bool() & (tb.versions == self.versions.version)
         n = int(same.sum())
         mine = self.trainer.compute_logprobs(tb)
         gap = float((mine[same] - tb.behavior_logprobs[same]).abs().max()) if n else None
         return {"logprob_gap_max": gap, "logprob_gap_tokens": n,
-                "logprob_gap_version": self._version}
+                "logprob_gap_version": self.versions.version}
 
 
 def _config(device: str, model_dir: str, out_dir: str, steps: int, sync: str,
