@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client import LocalServerClient
 from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.trainer import FSDPTrainEngine
@@ -66,7 +66,7 @@ def main() -> None:
     path = resolve_model_path(args.model)
     work = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     proc, address = start_server(path, args.threads, work / "server.log")
-    client = RemoteInferenceEngine([address], update_weights_timeout=120)
+    client = LocalServerClient([address], update_weights_timeout=120)
     actor = FSDPTrainEngine(TrainEngineSpec(path=path, dtype="bfloat16"), total_steps=1)
     actor.initialize()
     disk = WeightPublisher(work / "weights", client, dtype="bfloat16")

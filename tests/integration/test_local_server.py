@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.api.types import GenerationRequest, SamplingParams
 from asyncrl.inference.client.local import (
     InferenceServerError,
-    RemoteInferenceEngine,
+    LocalServerClient,
     WeightUpdateError,
 )
 from asyncrl.models.tiny import make_tiny_model
@@ -56,7 +56,7 @@ def server(models):
 
 @pytest.fixture
 def client(server):
-    c = RemoteInferenceEngine([server], api_key=API_KEY, update_weights_timeout=30)
+    c = LocalServerClient([server], api_key=API_KEY, update_weights_timeout=30)
     yield c
     asyncio.run(c.close())
 
@@ -191,7 +191,7 @@ def _free_port() -> int:
 
 def test_client_fails_fast_when_nobody_listens():
     address = f"127.0.0.1:{_free_port()}"
-    client = RemoteInferenceEngine([address])  # default: 3 retries, 0.25 s backoff doubling
+    client = LocalServerClient([address])  # default: 3 retries, 0.25 s backoff doubling
     start = time.monotonic()
     with pytest.raises(InferenceServerError, match=f"http://{address} cannot be reached"):
         asyncio.run(client.agenerate(greedy(PROMPT, 3)))
@@ -243,7 +243,7 @@ class FakeServers:
 
 def test_client_routes_to_least_busy_server_and_pins_rids():
     fakes = FakeServers(2)
-    client = RemoteInferenceEngine(fakes.addresses)
+    client = LocalServerClient(fakes.addresses)
 
     async def go():
         reqs = [GenerationRequest(input_ids=[5], rid=f"r{i}") for i in range(4)]
@@ -259,7 +259,7 @@ def test_client_routes_to_least_busy_server_and_pins_rids():
 
 def test_requests_of_one_affinity_key_share_a_server_whatever_their_rids():
     fakes = FakeServers(2)
-    client = RemoteInferenceEngine(fakes.addresses)
+    client = LocalServerClient(fakes.addresses)
 
     async def go():
         # Two sessions of three turns each, all in flight at once: without affinity the
@@ -278,7 +278,7 @@ def test_requests_of_one_affinity_key_share_a_server_whatever_their_rids():
 
 def test_weight_update_timeout_raises_naming_server_and_step_then_resumes():
     fakes = FakeServers(1, update_delay=5.0)
-    client = RemoteInferenceEngine(fakes.addresses, update_weights_timeout=0.5)
+    client = LocalServerClient(fakes.addresses, update_weights_timeout=0.5)
     start = time.monotonic()
     expected = f"{fakes.addresses[0]} at step 'update_weights'.*0.5s"
     with pytest.raises(WeightUpdateError, match=expected):

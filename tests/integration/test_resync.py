@@ -10,7 +10,7 @@ import pytest
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client import LocalServerClient
 from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
 
@@ -36,7 +36,7 @@ def test_returning_server_is_resynced_before_it_serves(tmp_path):
     sched = SchedulerConfig(inference_threads=2, trainer_threads=1)
     with LocalScheduler(sched, tmp_path / "logs") as scheduler:
         addresses = scheduler.launch_inference_servers(base, engine_cfg, n_servers=2, seed=0)
-        client = RemoteInferenceEngine(addresses, request_retries=0, update_weights_timeout=30,
+        client = LocalServerClient(addresses, request_retries=0, update_weights_timeout=30,
                                        health_check_interval=0.3)
 
         def generate(rid: str):

@@ -16,7 +16,7 @@ from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
 from asyncrl.inference.client.base import WeightUpdateError
-from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.vllm import VLLMClient
 from asyncrl.launch import LocalScheduler
 from asyncrl.launch.local import free_port
 from asyncrl.models.tiny import make_tiny_model
@@ -39,7 +39,7 @@ def vllm_server(tmp_path_factory):
     with LocalScheduler(sched, root / "logs") as scheduler:
         addresses = scheduler.launch_inference_servers(models[0], engine_cfg, n_servers=1,
                                                        seed=0, backend="vllm")
-        client = VLLMInferenceEngine(addresses, request_timeout=120, update_weights_timeout=60)
+        client = VLLMClient(addresses, request_timeout=120, update_weights_timeout=60)
         try:
             yield client, models
         finally:
@@ -130,7 +130,7 @@ def test_bad_checkpoint_fails_fast_and_leaves_the_server_serving(vllm_server, tm
 def test_dead_server_raises_weight_update_error_within_the_timeout(vllm_server):
     _, models = vllm_server
     address = f"http://127.0.0.1:{free_port()}"  # nobody listens there
-    client = VLLMInferenceEngine([address], request_retries=1, update_weights_timeout=5)
+    client = VLLMClient([address], request_retries=1, update_weights_timeout=5)
     start = time.monotonic()
     with pytest.raises(WeightUpdateError, match=f"{address} at step 'pause'.*cannot be reached"):
         asyncio.run(client.update_weights_from_disk(models[1], 1))

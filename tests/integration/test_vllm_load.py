@@ -16,7 +16,7 @@ from vllm_util import hf_logprobs, needs_vllm
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.vllm import VLLMClient
 from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
 
@@ -37,7 +37,7 @@ def loaded_server(tmp_path_factory):
     with LocalScheduler(sched, root / "logs") as scheduler:
         [address] = scheduler.launch_inference_servers(model, engine_cfg, n_servers=1, seed=0,
                                                        backend="vllm")
-        client = VLLMInferenceEngine([address], request_timeout=240,
+        client = VLLMClient([address], request_timeout=240,
                                      update_weights_timeout=60)
         try:
             yield client, model

@@ -17,7 +17,7 @@ from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig, SchedulerConfig
-from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.vllm import VLLMClient
 from asyncrl.launch import LocalScheduler
 from asyncrl.launch.commands import LoraServing
 from asyncrl.models.tiny import make_tiny_model
@@ -60,7 +60,7 @@ def lora_run(tmp_path_factory):
         addresses = scheduler.launch_inference_servers(
             base, engine_cfg, n_servers=1, seed=0, backend="vllm",
             lora=LoraServing(RANK, ("all-linear",)))
-        client = VLLMInferenceEngine(addresses, request_timeout=120, update_weights_timeout=60)
+        client = VLLMClient(addresses, request_timeout=120, update_weights_timeout=60)
         try:
             yield client, actor, root
         finally:

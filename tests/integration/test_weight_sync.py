@@ -19,7 +19,7 @@ from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import SchedulerConfig
-from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client import LocalServerClient
 from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer import FSDPTrainEngine
@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
     sched_cfg = SchedulerConfig(inference_threads=1, trainer_threads=1)
     with LocalScheduler(sched_cfg, root / "logs") as scheduler:
         addresses = scheduler.launch_inference_servers(model, engine_cfg, n_servers=1, seed=0)
-        client = RemoteInferenceEngine(addresses, request_timeout=120)
+        client = LocalServerClient(addresses, request_timeout=120)
         cfg = load_config(None, ["train_dataset.path=x", f"actor.path={model}",
                                  "actor.dtype=float32", "actor.optimizer.lr=0.05"])
         actor = FSDPTrainEngine(TrainEngineSpec.of(cfg.actor), total_steps=10, seed=0)

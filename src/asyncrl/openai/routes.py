@@ -3,7 +3,7 @@
     GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: SSE)
 
 The engine is anything with `async agenerate(GenerationRequest) -> GenerationResponse`
-(the `InferenceEngine` protocol: our local engine, `RemoteInferenceEngine`, vLLM/SGLang
+(the `InferenceEngine` protocol: our local engine, `LocalServerClient`, vLLM/SGLang
 clients). If it also has `astream(req)` (an async iterator of `StreamedToken`, then the
 final `GenerationResponse`), streamed answers go out token by token; otherwise a stream
 is the finished answer replayed as chunks.

@@ -51,7 +51,7 @@ class FullWeights(Protocol):
 
 
 class WeightClient(Protocol):
-    """The inference client's broadcast calls (`HTTPInferenceEngine`)."""
+    """The inference client's broadcast calls (`HTTPInferenceClient`)."""
 
     addresses: list[str]
     weight_group: list[str]

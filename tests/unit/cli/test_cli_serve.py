@@ -6,9 +6,9 @@ import pytest
 
 from asyncrl.cli import build_parser
 from asyncrl.inference import gateway
-from asyncrl.inference.client.local import RemoteInferenceEngine
-from asyncrl.inference.client.sglang import SGLangInferenceEngine
-from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.local import LocalServerClient
+from asyncrl.inference.client.sglang import SGLangClient
+from asyncrl.inference.client.vllm import VLLMClient
 
 
 def test_serve_defaults_to_the_local_backend_on_loopback():
@@ -16,9 +16,9 @@ def test_serve_defaults_to_the_local_backend_on_loopback():
     assert args.backend == "local" and args.host == "127.0.0.1" and args.device == "auto"
 
 
-@pytest.mark.parametrize("backend,cls", [("local", RemoteInferenceEngine),
-                                         ("vllm", VLLMInferenceEngine),
-                                         ("sglang", SGLangInferenceEngine)])
+@pytest.mark.parametrize("backend,cls", [("local", LocalServerClient),
+                                         ("vllm", VLLMClient),
+                                         ("sglang", SGLangClient)])
 def test_gateway_builds_the_client_of_each_backend(backend, cls):
     engine = gateway.make_engine(backend, "127.0.0.1:1", api_key=None)
     assert type(engine) is cls and engine.addresses == ["http://127.0.0.1:1"]
@@ -30,7 +30,7 @@ def test_gateway_needs_a_tokenizer_for_backends_that_do_not_report_their_model(m
     async def healthy(self, timeout):
         return None
 
-    monkeypatch.setattr(VLLMInferenceEngine, "wait_healthy", healthy)
+    monkeypatch.setattr(VLLMClient, "wait_healthy", healthy)
     with pytest.raises(SystemExit, match="--tokenizer is needed with --backend vllm"):
         asyncio.run(gateway.serve("vllm", "127.0.0.1:1", tokenizer=None, model_name=None,
                                   host="127.0.0.1", port=0))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse
-from asyncrl.inference.client.base import HTTPInferenceEngine
+from asyncrl.inference.client.base import HTTPInferenceClient
 from asyncrl.observe.timeline import Timeline, busy_shares, plot_timeline, read_timeline
 from asyncrl.observe.timing import StepTimer
 
@@ -46,7 +46,7 @@ def test_step_sections_and_a_torn_line_become_spans(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-class _SlowClient(HTTPInferenceEngine):
+class _SlowClient(HTTPInferenceClient):
     """Answers after a short sleep; weight loads also sleep."""
 
     async def _generate_on(self, idx, req):

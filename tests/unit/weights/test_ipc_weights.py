@@ -23,9 +23,9 @@ from asyncrl.api import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config import LocalEngineConfig, load_config
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.controller.specs import build_trainer_spec
-from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client import LocalServerClient
 from asyncrl.inference.client.base import WeightIpc
-from asyncrl.inference.client.vllm import VLLMInferenceEngine, ipc_update_info
+from asyncrl.inference.client.vllm import VLLMClient, ipc_update_info
 from asyncrl.inference.server.app import InferenceServer
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.trainer import FSDPTrainEngine
@@ -208,7 +208,7 @@ def test_weights_copied_by_ipc_equal_the_trainers_and_give_its_logprobs(trainer,
 
     try:
         with serving(server.app) as url:
-            client = RemoteInferenceEngine([url], update_weights_timeout=60)
+            client = LocalServerClient([url], update_weights_timeout=60)
             publisher = IpcPublisher(client, dtype="bfloat16", run=asyncio.run)
             for version in (1, 2):
                 _train_one_step(trainer, _sampled(client))
@@ -265,7 +265,7 @@ def test_a_failed_ipc_update_keeps_the_served_weights_and_says_why(tiny_path):
         {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)})
     try:
         with serving(server.app) as url:
-            client = RemoteInferenceEngine([url], update_weights_timeout=10, request_retries=0)
+            client = LocalServerClient([url], update_weights_timeout=10, request_retries=0)
             with pytest.raises(Exception, match="does not fit the model: missing tensors"):
                 asyncio.run(client.update_weights_from_ipc(body, 1))
             full = IpcExporter(share=FakeCuda().share).export(
@@ -284,7 +284,7 @@ def test_a_failed_ipc_update_keeps_the_served_weights_and_says_why(tiny_path):
 def test_a_server_back_from_the_dead_rejoins_with_the_next_ipc_update():
     recorder = Recorder()
     with serving(recorder.app) as url:
-        client = RemoteInferenceEngine([url], update_weights_timeout=5)
+        client = LocalServerClient([url], update_weights_timeout=5)
         client._mark_down(0, "restarted")
         body = IpcExporter(share=FakeCuda().share).export(_state())
         asyncio.run(client.update_weights_from_ipc(body, 3))
@@ -344,7 +344,7 @@ def test_vllm_client_speaks_vllms_ipc_weight_transfer():
     recorder = Recorder()
     body = IpcExporter(share=FakeCuda().share).export(_bf16_state())
     with serving(recorder.app) as url:
-        client = VLLMInferenceEngine([url], update_weights_timeout=5)
+        client = VLLMClient([url], update_weights_timeout=5)
         asyncio.run(client.update_weights_from_ipc(body, 7))
         asyncio.run(client.close())
     paths = [p for p, _ in recorder.calls]

@@ -29,10 +29,10 @@ from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.api.errors import InferenceError
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import ActorConfig
-from asyncrl.inference.client import RemoteInferenceEngine
+from asyncrl.inference.client import LocalServerClient
 from asyncrl.inference.client.base import WeightUpdateError
-from asyncrl.inference.client.sglang import SGLangInferenceEngine
-from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.sglang import SGLangClient
+from asyncrl.inference.client.vllm import VLLMClient
 from asyncrl.inference.server.model import Transformer, Weights
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.trainer.dist import free_port
@@ -171,7 +171,7 @@ def test_broadcast_serves_exactly_the_trainers_weights_as_the_new_version(tiny, 
                                                                           bucket_bytes, tmp_path):
     torch_dtype = getattr(torch, dtype)
     with server(tiny, dtype) as proc:
-        client = RemoteInferenceEngine([proc.address], update_weights_timeout=TIMEOUT)
+        client = LocalServerClient([proc.address], update_weights_timeout=TIMEOUT)
         publisher = BroadcastPublisher(client, dtype=dtype, timeout=TIMEOUT)
         publisher.bucket_bytes = bucket_bytes
         try:
@@ -211,7 +211,7 @@ class _Saver:
 def test_a_killed_server_is_an_error_naming_it_within_the_timeout_and_the_next_publish_works(
         tiny):
     with server(tiny) as a, server(tiny) as b:
-        client = RemoteInferenceEngine([a.address, b.address], update_weights_timeout=TIMEOUT,
+        client = LocalServerClient([a.address, b.address], update_weights_timeout=TIMEOUT,
                                        request_retries=0)
         publisher = BroadcastPublisher(client, dtype="float32", timeout=TIMEOUT)
         publisher.bucket_bytes = 4096
@@ -271,7 +271,7 @@ def test_a_trainer_gone_mid_broadcast_leaves_the_old_weights_served_then_an_upda
     assert len(layout.buckets) > 2
     with server(tiny) as proc:
         before = checksum(proc.address)
-        client = RemoteInferenceEngine([proc.address], update_weights_timeout=TIMEOUT)
+        client = LocalServerClient([proc.address], update_weights_timeout=TIMEOUT)
         port, name = free_port(), f"test_{how}"
         sender = subprocess.Popen([sys.executable, "-c", SENDER, "127.0.0.1", str(port), "2",
                                    tiny, str(bucket), how, name, str(TIMEOUT)])
@@ -313,7 +313,7 @@ def _two_rank_worker(rank: int, port: int, model: str, address: str, out: str) -
         for p in engine.model.parameters():
             p.add_(0.125)
     if rank == 0:
-        client = RemoteInferenceEngine([address], update_weights_timeout=30)
+        client = LocalServerClient([address], update_weights_timeout=30)
         publisher = BroadcastPublisher(client, dtype="float32", timeout=30)
         publisher.bucket_bytes = 8192
         publisher.publish(engine, 1)
@@ -378,7 +378,7 @@ def test_vllm_client_speaks_vllms_weight_transfer_api():
     nccl = pytest.importorskip("vllm.distributed.weight_transfer.nccl_engine")
     recorder = Recorder()
     with serving(recorder.app) as url:
-        client = VLLMInferenceEngine([url], update_weights_timeout=5)
+        client = VLLMClient([url], update_weights_timeout=5)
         asyncio.run(client.init_weights_update_group("10.0.0.1", 29500, servers=[url],
                                                      bucket_bytes=40))
         asyncio.run(client.update_weights_from_distributed(LAYOUT, 7))
@@ -420,7 +420,7 @@ def test_vllm_cuts_the_buckets_where_ours_are():
 def test_sglang_client_sends_one_flattened_bucket_per_request():
     recorder = Recorder()
     with serving(recorder.app) as url:
-        client = SGLangInferenceEngine([url], update_weights_timeout=5)
+        client = SGLangClient([url], update_weights_timeout=5)
         asyncio.run(client.init_weights_update_group("10.0.0.1", 29500, servers=[url],
                                                      bucket_bytes=40, group_name="g"))
         asyncio.run(client.update_weights_from_distributed(LAYOUT, 7, group_name="g"))
@@ -447,7 +447,7 @@ def test_weight_update_mode_is_checked_and_picks_the_publisher(tmp_path):
         ActorConfig(weight_update_mode="ftp")
     with pytest.raises(ValueError, match="actor.weight_update_bucket_mb"):
         ActorConfig(weight_update_bucket_mb=0)
-    client = RemoteInferenceEngine(["127.0.0.1:1"])
+    client = LocalServerClient(["127.0.0.1:1"])
     assert isinstance(make_publisher("disk", client, root=tmp_path), WeightPublisher)
     broadcast = make_publisher("broadcast", client, root=tmp_path, bucket_mb=16, timeout=9)
     assert isinstance(broadcast, BroadcastPublisher)

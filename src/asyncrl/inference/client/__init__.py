@@ -1,6 +1,6 @@
 """Clients of inference servers: what the rollout side and the gateway talk to.
 
-local.py (`RemoteInferenceEngine`, for our own `local` server in
+local.py (`LocalServerClient`, for our own `local` server in
 `asyncrl.inference.server`), vllm.py and sglang.py, all over base.py's shared HTTP
 plumbing; resubmit.py stitches a generation across the aborts of a weight update;
 backends.py picks a client by backend name. vllm_worker.py is the server side of vllm.py's
@@ -15,9 +15,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "RemoteInferenceEngine": "local", "InferenceServerError": "local",
-    "WeightUpdateError": "local", "VLLMInferenceEngine": "vllm",
-    "SGLangInferenceEngine": "sglang", "client_class": "backends",
+    "LocalServerClient": "local", "InferenceServerError": "local",
+    "WeightUpdateError": "local", "VLLMClient": "vllm",
+    "SGLangClient": "sglang", "client_class": "backends",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -103,7 +103,7 @@ def normalise_address(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-class HTTPInferenceEngine:
+class HTTPInferenceClient:
     """Base of the backend clients; subclasses say how to generate and load weights."""
 
     backend = "base"

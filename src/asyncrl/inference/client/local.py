@@ -13,7 +13,7 @@ from typing import Any
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse
 from asyncrl.inference.client.base import (
-    HTTPInferenceEngine,
+    HTTPInferenceClient,
     InferenceServerError,
     ServerUnreachableError,
     WeightBroadcast,
@@ -21,11 +21,11 @@ from asyncrl.inference.client.base import (
     WeightUpdateError,
 )
 
-__all__ = ["InferenceServerError", "RemoteInferenceEngine", "ServerUnreachableError",
+__all__ = ["InferenceServerError", "LocalServerClient", "ServerUnreachableError",
            "WeightUpdateError"]
 
 
-class RemoteInferenceEngine(HTTPInferenceEngine):
+class LocalServerClient(HTTPInferenceClient):
     """Routes generations to the least-busy local server and syncs weights on all of them."""
 
     backend = "local"

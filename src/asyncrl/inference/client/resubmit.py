@@ -33,7 +33,7 @@ from typing import Any
 
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.inference.client.base import (
-    HTTPInferenceEngine,
+    HTTPInferenceClient,
     InferenceServerError,
     WeightUpdateError,
 )
@@ -54,7 +54,7 @@ class Piece:
     finish: StopReason
 
 
-class ResubmittingEngine(HTTPInferenceEngine):
+class ResubmittingClient(HTTPInferenceClient):
     """Stitches a generation from pieces, one per weight version it ran under."""
 
     def __init__(self, addresses: list[str], **kwargs) -> None:

@@ -41,13 +41,13 @@ from asyncrl.inference.client.base import (
 )
 from asyncrl.inference.client.resubmit import (
     Piece,
-    ResubmittingEngine,
+    ResubmittingClient,
     Step,
     is_adapter_folder,
 )
 
 
-class SGLangInferenceEngine(ResubmittingEngine):
+class SGLangClient(ResubmittingClient):
     """Routes generations to SGLang servers; a weight update aborts, reloads and resubmits."""
 
     backend = "sglang"

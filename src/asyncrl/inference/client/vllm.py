@@ -60,13 +60,13 @@ from asyncrl.inference.client.base import (
 )
 from asyncrl.inference.client.resubmit import (
     Piece,
-    ResubmittingEngine,
+    ResubmittingClient,
     Step,
     is_adapter_folder,
 )
 
 
-class VLLMInferenceEngine(ResubmittingEngine):
+class VLLMClient(ResubmittingClient):
     """Routes generations to vLLM servers; a weight update aborts, reloads and resubmits."""
 
     backend = "vllm"

@@ -5,14 +5,14 @@ import asyncio
 from fake_vllm import FakeVLLMServers
 
 from asyncrl.api import GenerationRequest, SamplingParams
-from asyncrl.inference.client.vllm import VLLMInferenceEngine
+from asyncrl.inference.client.vllm import VLLMClient
 
 
 def test_interrupted_request_resumes_on_its_server_with_tokens_of_both_versions(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     fakes = FakeVLLMServers(2, token_s=0.05)
-    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+    client = VLLMClient(fakes.addresses, update_weights_timeout=5)
     prompt = [7, 8, 9]
 
     async def go():
@@ -50,7 +50,7 @@ def test_server_failing_health_leaves_routing_and_returns_resynced(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     fakes = FakeVLLMServers(2, token_s=0.001)
-    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+    client = VLLMClient(fakes.addresses, update_weights_timeout=5)
 
     async def go():
         fakes.healthy[1] = False
@@ -83,7 +83,7 @@ def test_lora_versions_load_as_adapters_and_each_piece_names_its_own(tmp_path):
         (folder / "adapter_model.safetensors").write_bytes(b"")
         folders.append(str(folder))
     fakes = FakeVLLMServers(1, token_s=0.05)
-    client = VLLMInferenceEngine(fakes.addresses, update_weights_timeout=5)
+    client = VLLMClient(fakes.addresses, update_weights_timeout=5)
     prompt = [7, 8, 9]
 
     async def go():

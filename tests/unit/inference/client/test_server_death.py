@@ -23,10 +23,10 @@ def test_the_cause_line_is_the_first_error_not_a_warning_or_a_consequence(tmp_pa
 def _client_and_servers():
     from fake_vllm import FakeVLLMServers
 
-    from asyncrl.inference.client.vllm import VLLMInferenceEngine
+    from asyncrl.inference.client.vllm import VLLMClient
 
     servers = FakeVLLMServers(2, token_s=0.001)
-    client = VLLMInferenceEngine(servers.addresses, request_timeout=10,
+    client = VLLMClient(servers.addresses, request_timeout=10,
                                  update_weights_timeout=10, health_check_interval=None)
     return client, servers
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.inference.client.base import InferenceServerError, WeightUpdateError
-from asyncrl.inference.client.sglang import SGLangInferenceEngine
+from asyncrl.inference.client.sglang import SGLangClient
 
 EXCHANGE = Path(__file__).resolve().parents[3] / "fixtures" / "sglang" / "exchange.json"
 
@@ -93,7 +93,7 @@ def exchange(tmp_path):
 def test_generation_aborted_by_a_weight_update_is_resubmitted_and_stitched(exchange):
     recorded, subs = exchange
     server = ReplayServer(recorded["generate_across_update"], subs)
-    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    client = SGLangClient([server.address], update_weights_timeout=5)
     req = GenerationRequest(input_ids=[1, 60, 61, 62], rid="r1",
                             sampling=SamplingParams(max_new_tokens=8, temperature=1.0))
 
@@ -120,7 +120,7 @@ def test_generation_aborted_by_a_weight_update_is_resubmitted_and_stitched(excha
 def test_failed_weight_update_raises_naming_server_step_and_message_then_resumes(exchange):
     recorded, subs = exchange
     server = ReplayServer(recorded["failed_update"], subs)
-    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    client = SGLangClient([server.address], update_weights_timeout=5)
     expected = (f"version 2 failed on {server.address} at step 'update_weights_from_disk'"
                 ".*header too large")
     with pytest.raises(WeightUpdateError, match=expected):
@@ -143,7 +143,7 @@ def info_entries(route: str, versions: list[str]) -> list[dict]:
 
 
 def read_versions(server: ReplayServer, n: int) -> list[int]:
-    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    client = SGLangClient([server.address], update_weights_timeout=5)
 
     async def go():
         try:
@@ -248,7 +248,7 @@ def test_lora_versions_load_as_new_adapters_that_generation_names(adapter_folder
         generate_entry(n3, 72, -2.0),
     ]
     server = ReplayServer(entries, {})
-    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    client = SGLangClient([server.address], update_weights_timeout=5)
     req = GenerationRequest(input_ids=[1, 60], sampling=SamplingParams(max_new_tokens=1))
 
     async def go():
@@ -276,7 +276,7 @@ def test_an_adapter_folder_without_its_weights_is_refused_before_any_pause(adapt
 
     os.remove(os.path.join(adapter_folders[1], "adapter_model.safetensors"))
     server = ReplayServer([], {})
-    client = SGLangInferenceEngine([server.address], update_weights_timeout=5)
+    client = SGLangClient([server.address], update_weights_timeout=5)
     with pytest.raises(WeightUpdateError, match="has no adapter_model.safetensors"):
         asyncio.run(client.update_weights_from_disk(adapter_folders[1], 1))
     asyncio.run(client.close())
