@@ -168,6 +168,7 @@ def _eval(args: argparse.Namespace) -> int:
     """`asyncrl eval`: a checkpoint on a dataset, greedy or pass@k/maj@k/mean@k."""
     from asyncrl.config.schema import DatasetConfig
     from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, run
+    from asyncrl.models.lora import AdapterError
 
     defaults: dict = {}
     if args.config is not None:  # a run's config: its held-out set, prompt and reward
@@ -218,7 +219,7 @@ def _eval(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
             threads=args.threads, progress=not args.no_progress)
         run(spec)
-    except EvalSpecError as err:
+    except (EvalSpecError, AdapterError) as err:
         print(f"asyncrl eval: {err}", file=sys.stderr)
         return 2
     return 0

@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,11 +29,9 @@ from asyncrl.controller.rollout.evaluate import EvalResult, ItemScore, evaluate
 from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data import load_dataset
 from asyncrl.launch.commands import BACKENDS
+from asyncrl.observe import ProgressBar
 from asyncrl.rewards.registry import BUILTIN_ANSWER_FNS, resolve_answer_fn, resolve_reward_fn
 from asyncrl.rewards.runner import RewardRunner
-
-logger = logging.getLogger(__name__)
-
 
 # KV-cache slots of the server started here: the samples in flight, up to this many.
 MAX_SERVER_BATCH = 64
@@ -131,20 +127,18 @@ def run(spec: EvalSpec) -> dict[str, Any]:
 
 async def _evaluate(spec: EvalSpec, urls: list[str], workflow: RLVRWorkflow,
                     items: list[dict[str, Any]]) -> EvalResult:
-    from tqdm import tqdm
-
     from asyncrl.inference.client.backends import client_class
 
     engine = client_class(spec.backend)(urls)
-    bar = tqdm(total=len(items), desc="eval", unit="item", disable=not spec.progress,
-               file=sys.stderr, dynamic_ncols=True)
-    correct: list[float] = []
+    k = spec.ks[0]
+    bar = ProgressBar(len(items), enabled=spec.progress, fields=[f"pass@{k}"], desc="eval",
+                      unit="item")
+    scores: list[float] = []
 
-    def on_item(score: ItemScore | None) -> None:
+    def on_item(score: ItemScore | None) -> None:  # the running mean of pass@k, k the first
         if score is not None and score.scores:
-            correct.append(score.scores["pass@1"])
-            bar.set_postfix_str(f"pass@1={sum(correct) / len(correct):.3f}", refresh=False)
-        bar.update(1)
+            scores.append(score.scores[f"pass@{k}"])
+        bar.update({f"pass@{k}": sum(scores) / len(scores) if scores else float("nan")})
 
     try:
         return await evaluate(engine, workflow, items, concurrency=spec.concurrency,

@@ -70,7 +70,8 @@ def test_without_an_extractor_there_is_no_maj_at_k():
 
 
 def spec(tmp_path, **kw):
-    return EvalSpec(model="m", dataset=DatasetConfig(path="x.jsonl"), out=tmp_path, **kw)
+    return EvalSpec(**{"model": "m", "dataset": DatasetConfig(path="x.jsonl"), "out": tmp_path,
+                       **kw})
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -114,3 +115,34 @@ def test_table_has_a_row_per_k():
     lines = table(stats, [1, 4]).splitlines()
     assert lines[0].split() == ["k", "pass@k", "mean@k"]
     assert lines[2].split() == ["4", "0.5000", "0.3000"]
+
+
+def test_an_adapter_folder_is_evaluated_merged_into_its_base(tmp_path):
+    """`--model` an adapter folder: the model served is W + (alpha / r) B A (by hand)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from asyncrl.controller.evaluation import _served_model
+    from asyncrl.models.tiny import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "base")
+    name = "model.layers.0.self_attn.q_proj"
+    w = load_file(f"{base}/model.safetensors")[f"{name}.weight"]
+    a, b = torch.randn(2, w.shape[1]), torch.randn(w.shape[0], 2)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({f"base_model.model.{name}.lora_A.weight": a,
+               f"base_model.model.{name}.lora_B.weight": b},
+              adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"r": 2, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA",
+         "base_model_name_or_path": base}))
+    with _served_model(spec(tmp_path / "out", model=str(adapter),
+                            base_urls=["http://127.0.0.1:9"])) as (path, urls):
+        merged = load_file(f"{path}/model.safetensors")[f"{name}.weight"]
+        torch.testing.assert_close(merged, w + 4.0 * (b @ a), atol=1e-5, rtol=1e-5)
+        assert urls == ["http://127.0.0.1:9"]
+    with pytest.raises(EvalSpecError, match="--base .* is for adapter folders"):
+        with _served_model(spec(tmp_path / "out", model=base, base="x",
+                                base_urls=["http://127.0.0.1:9"])):
+            pass
