@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +122,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             result = asyncio.run(_evaluate(spec, urls, workflow, items))
         finally:
             reward.close()
-    return write_outputs(spec, result)
+    return write_outputs(spec, result, decode=tokenizer.decode)
 
 
 async def _evaluate(spec: EvalSpec, urls: list[str], workflow: RLVRWorkflow,
@@ -185,11 +185,13 @@ def _served_model(spec: EvalSpec) -> Iterator[tuple[str, list[str]]]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def write_outputs(spec: EvalSpec, result: EvalResult) -> dict[str, Any]:
-    """items.jsonl, summary.json and pass_at_k.png under `spec.out`; prints the table."""
+def write_outputs(spec: EvalSpec, result: EvalResult,
+                  decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
+    """items.jsonl, summary.json and pass_at_k.png under `spec.out`; prints the table.
+    `decode` (the tokenizer's) writes each item's prompt as the model saw it."""
     with open(spec.out / "items.jsonl", "w") as f:
         for score in result.items:
-            f.write(json.dumps(score.record()) + "\n")
+            f.write(json.dumps(score.record(decode)) + "\n")
     summary = {"spec": _jsonable(spec), "stats": result.stats,
                "items": str(spec.out / "items.jsonl")}
     summary["plot"] = str(plot_at_k(result.stats, spec.ks, spec.out / "pass_at_k.png",

@@ -95,9 +95,11 @@ def test_cli_refuses_a_bad_k_list_and_a_missing_dataset(capsys):
 
 def test_outputs_hold_each_item_and_the_means(tmp_path, capsys):
     result = run_scripted(["a", "b"], ks=(1, 2))
-    summary = write_outputs(spec(tmp_path, n=4, ks=[1, 2], temperature=1.0), result)
+    summary = write_outputs(spec(tmp_path, n=4, ks=[1, 2], temperature=1.0), result,
+                            decode=lambda ids: "-".join(map(str, ids)))
     rows = [json.loads(line) for line in (tmp_path / "items.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "b"]
+    assert rows[0]["prompt"] == "1"  # the tokens before the first trained one (loss mask 1)
     assert [s["answer"] for s in rows[0]["samples"]] == ["4", "5", "4", None]
     assert rows[1]["scores"]["pass@2"] == pytest.approx(0.5)
     saved = json.loads((tmp_path / "summary.json").read_text())
