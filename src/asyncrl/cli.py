@@ -1,5 +1,5 @@
-"""`asyncrl train | sft | dpo | rm | serve | quickstart | plan | export-merged | ps | logs |
-stop`."""
+"""`asyncrl train | sft | dpo | rm | serve | eval | quickstart | plan | export-merged | ps |
+logs | stop`."""
 
 # Each command imports what it runs inside its function: torch and the trainer load only
 # for the commands that need them, so `asyncrl ps | logs | stop` and `--help` answer at once.
@@ -164,6 +164,67 @@ async def _while_alive(scheduler, serving, interval: float = 1.0) -> None:
             await asyncio.gather(task, return_exceptions=True)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    """`asyncrl eval`: a checkpoint on a dataset, greedy or pass@k/maj@k/mean@k."""
+    from asyncrl.config.schema import DatasetConfig
+    from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, run
+    from asyncrl.models.lora import AdapterError
+
+    defaults: dict = {}
+    if args.config is not None:  # a run's config: its held-out set, prompt and reward
+        from asyncrl.config import load_config
+
+        cfg = load_config(args.config, [])
+        dataset = cfg.valid_dataset or cfg.train_dataset
+        defaults = {"data": dataset.path, "split": dataset.split, "size": dataset.size,
+                    "seed": dataset.seed, "task_kwargs": dataset.task_kwargs,
+                    "reward": cfg.workflow.reward_fn, "system_prompt": cfg.workflow.system_prompt,
+                    "few_shot": cfg.workflow.few_shot,
+                    "max_tokens": cfg.evaluator.max_new_tokens or cfg.gconfig.max_new_tokens}
+
+    def pick(name: str, fallback):
+        value = getattr(args, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    data = pick("data", None)
+    if not data:
+        print("asyncrl eval: give --data (a JSONL file or folder, an HF dataset path, or "
+              "reasoning_gym:<task>) or --config (a run's config, for its valid_dataset)",
+              file=sys.stderr)
+        return 2
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+        print(f"asyncrl eval: --k {args.k!r} must be integers separated by commas, e.g. 1,4,8",
+              file=sys.stderr)
+        return 2
+    few_shot = defaults.get("few_shot", [])
+    if args.few_shot is not None:
+        import json
+
+        few_shot = json.loads(Path(args.few_shot).read_text())
+    dataset = DatasetConfig(path=data, split=pick("split", "test"),
+                            size=defaults.get("size"), seed=defaults.get("seed", 0),
+                            task_kwargs=defaults.get("task_kwargs", {}), shuffle=False)
+    try:
+        spec = EvalSpec(
+            model=args.model, base=args.base, base_urls=args.base_url or [],
+            backend=args.backend, dataset=dataset, out=args.out,
+            reward_fn=pick("reward", "gsm8k"), answer_fn=args.answer_fn,
+            system_prompt=pick("system_prompt", None), few_shot=few_shot,
+            chat_template=args.chat_template, n=args.n or max(ks), ks=ks,
+            temperature=args.temperature, top_p=args.top_p,
+            max_tokens=pick("max_tokens", 256), concurrency=args.concurrency,
+            limit=args.limit, pass_threshold=args.pass_threshold, seed=args.seed,
+            device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
+            threads=args.threads, progress=not args.no_progress)
+        run(spec)
+    except (EvalSpecError, AdapterError) as err:
+        print(f"asyncrl eval: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _ps(args: argparse.Namespace) -> int:
     """The run's services: role, address, pid, node, state, log."""
     from asyncrl.launch.control import ps
@@ -253,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --admin-key: the model's tool-call format (default: read from "
                         "its chat template)")
     p.set_defaults(func=_serve)
+    _add_eval_parser(sub)
     p = sub.add_parser("export-merged",
                        help="merge a LoRA run's saved adapter into its base model (HF folder)")
     p.add_argument("--adapter", required=True, type=Path,
@@ -274,6 +336,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, type=Path, help="the run directory")
     p.set_defaults(func=_stop)
     return parser
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint on a dataset: greedy, or pass@k, "
+                       "maj@k and mean@k over sampled answers")
+    p.add_argument("--model", required=True,
+                   help="HF folder, a run's published version folder, a LoRA adapter folder "
+                        "or a named model; with --base-url, the tokenizer of what they serve")
+    p.add_argument("--base", default=None,
+                   help="an adapter's base model (default: the adapter's own record)")
+    p.add_argument("--data", default=None,
+                   help="JSONL file or folder, HF dataset path, or reasoning_gym:<task>")
+    p.add_argument("--split", default=None, help="the split of a folder or HF dataset "
+                   "(default: test)")
+    p.add_argument("--config", default=None, type=Path,
+                   help="a run's config: its valid_dataset, reward, system prompt, few-shot "
+                        "examples and evaluation length, unless given here")
+    p.add_argument("--reward", default=None,
+                   help="reward_fn: gsm8k (default), reasoning_gym, code, or "
+                        "package.module:function")
+    p.add_argument("--answer-fn", default=None,
+                   help="what maj@k votes over: package.module:function(completion) -> answer "
+                        "(default: the built-in reward's own extractor)")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--few-shot", default=None,
+                   help="JSON file: a list of {question, answer} examples")
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="plain-text prompts (base models): examples and question joined")
+    p.add_argument("--k", default="1", help="the k of pass@k, maj@k, mean@k, e.g. 1,4,8")
+    p.add_argument("--n", type=int, default=None,
+                   help="samples per item (default: the largest k)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=None, help="per answer (default: 256)")
+    p.add_argument("--concurrency", type=int, default=32, help="items in flight")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
+    p.add_argument("--pass-threshold", type=float, default=1.0,
+                   help="a sample is correct when its reward is at least this")
+    p.add_argument("--out", type=Path, default=Path("eval"), help="output folder")
+    p.add_argument("--base-url", action="append", default=None,
+                   help="a running server (repeat for several); else one is started here")
+    p.add_argument("--backend", default="local", choices=["local", "vllm", "sglang"],
+                   help="the servers' kind (started here, or at --base-url)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--max-seq-len", type=int, default=2048, help="prompt + answer tokens")
+    p.add_argument("--threads", type=int, default=0, help="the server's CPU threads (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="the server's sampling seed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_eval)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,3 +45,14 @@ def slow(completion: str, item: dict) -> float:
 
     time.sleep(0.5)
     return text_hash(completion, item)
+
+
+def hash_parity(completion: str, item: dict) -> float:
+    """1.0 for about half of all completions (by their CRC-32's parity), else 0.0."""
+    return float(zlib.crc32(completion.encode()) % 2)
+
+
+def first_word(completion: str) -> str | None:
+    """The completion's first whitespace-separated word (an answer to vote over), or None."""
+    words = completion.split()
+    return words[0] if words else None

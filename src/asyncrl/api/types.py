@@ -41,6 +41,9 @@ class SamplingParams:
     # The request's own random stream: the same seed, prompt and weights sample the same
     # tokens whatever else the server batches with it. None: the server's shared stream.
     seed: int | None = None
+    # The most likely tokens and their log-probs to return beside each sampled token (under
+    # the distribution its log-prob is taken from); 0: none. Our own engine only.
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -53,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +73,7 @@ class SamplingParams:
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
             **({"seed": self.seed} if self.seed is not None else {}),
+            **({"top_logprobs": self.top_logprobs} if self.top_logprobs else {}),
         }
 
 
@@ -153,6 +159,8 @@ class GenerationResponse:
     stop_reason: StopReason
     latency_s: float = 0.0
     routed_experts: torch.Tensor | None = None
+    # With sampling.top_logprobs = k: per output token, the k most likely tokens {id: logprob}.
+    output_top_logprobs: list[dict[int, float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -161,6 +169,9 @@ class GenerationResponse:
                 f"response {self.rid}: {n} output ids but {len(self.output_logprobs)} logprobs "
                 f"and {len(self.output_versions)} versions"
             )
+        if self.output_top_logprobs is not None and len(self.output_top_logprobs) != n:
+            raise ValueError(f"response {self.rid}: {n} output ids but "
+                             f"{len(self.output_top_logprobs)} top log-prob entries")
         _check_routes(self.routed_experts, len(self.input_ids) + n, f"response {self.rid}")
         self.stop_reason = StopReason(self.stop_reason)
 
@@ -176,15 +187,21 @@ class GenerationResponse:
         }
         if self.routed_experts is not None:
             out["routed_experts"] = encode_routes(self.routed_experts)
+        if self.output_top_logprobs is not None:  # JSON keys are strings: [id, logprob] pairs
+            out["output_top_logprobs"] = [list(map(list, top.items()))
+                                          for top in self.output_top_logprobs]
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerationResponse:
         routes = d.get("routed_experts")
+        tops = d.get("output_top_logprobs")
         return cls(**{k: d[k] for k in (
             "rid", "input_ids", "output_ids", "output_logprobs", "output_versions", "stop_reason"
         )}, latency_s=d.get("latency_s", 0.0),
-            routed_experts=decode_routes(routes) if routes is not None else None)
+            routed_experts=decode_routes(routes) if routes is not None else None,
+            output_top_logprobs=None if tops is None else [
+                {int(t): float(lp) for t, lp in top} for top in tops])
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.agents.service import AgentClient
-from asyncrl.api import Batch, Trainer, Trajectory, faults
+from asyncrl.api import Batch, Trainer, faults
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.controller import recover
 from asyncrl.controller.agents import AgentRuntime
@@ -27,6 +27,7 @@ from asyncrl.controller.rollout import (
     evaluate,
     make_episode_filter,
 )
+from asyncrl.controller.rollout.evaluate import EvalResult
 from asyncrl.controller.specs import build_agent_spec, build_trainer_spec, run_paths
 from asyncrl.controller.supervise import ROLES, Supervisor
 from asyncrl.controller.versions import VersionSync
@@ -275,17 +276,17 @@ class RLTrainer:
                         concurrency: int | None = None) -> Callable[[], None]:
         """Start evaluating on the rollout loop; the returned call waits and logs it.
         `concurrency`: items in flight (default: a server's batch, local_engine's)."""
-        async def timed() -> tuple[dict[str, float], list[Trajectory]]:
+        async def timed() -> EvalResult:
             with self.timeline.span("evaluator", "eval"):
                 return await evaluate(
                     self.engine, self.eval_workflow, self.valid_items,
                     concurrency=concurrency or self.cfg.local_engine.max_batch_size)
 
         future = self.rollout.submit_coroutine(timed())
-        return lambda: self._log_evaluation(step, name, *future.result())
+        return lambda: self._log_evaluation(step, name, future.result())
 
-    def _log_evaluation(self, step: int, name: str, stats: dict[str, float],
-                        trajectories: list[Trajectory]) -> None:
+    def _log_evaluation(self, step: int, name: str, result: EvalResult) -> None:
+        stats, trajectories = result.stats, result.trajectories
         self.stats.log(step, stats, kind="eval")
         write_samples(self.paths.root / "eval" / f"step{step}.jsonl", trajectories)
         self.summary[name] = stats["eval/reward"]

@@ -146,9 +146,14 @@ def report_skipped(source: str | Path, skipped: list[str], *, kept: int) -> None
 
 
 def row_to_item(row: Any, *, default_id: str, default_task: str) -> dict[str, Any]:
-    """An item from one {"question", "answer"[, "id", "task"]} row."""
+    """An item from one {"question", "answer"[, "id", "task"]} row, or a HumanEval row
+    {"task_id", "prompt", "canonical_solution", "test", "entry_point"} (the prompt is the
+    question). Other keys of the row (a code task's "tests", ...) stay in the item."""
     if not isinstance(row, dict):
         raise DatasetError(f"expected a JSON object, got {type(row).__name__}")
+    if "question" not in row and {"prompt", "test", "entry_point"} <= set(row):
+        row = {**row, "id": row.get("task_id", default_id), "question": row["prompt"],
+               "answer": row.get("canonical_solution", "")}
     for key in ("question", "answer"):
         if key not in row:
             raise DatasetError(f"missing key {key!r} (row has {sorted(row)})")
@@ -159,7 +164,7 @@ def row_to_item(row: Any, *, default_id: str, default_task: str) -> dict[str, An
         answer = str(answer)
     if not isinstance(answer, str):
         raise DatasetError(f"'answer' must be a string or number, got {type(answer).__name__}")
-    item = {"id": str(row.get("id", default_id)), "question": question,
+    item = {**row, "id": str(row.get("id", default_id)), "question": question,
             "answer": answer.strip(), "task": str(row.get("task", default_task))}
     if "####" in answer:  # GSM8K: a worked solution ending in "#### <answer>"
         item["solution"] = answer

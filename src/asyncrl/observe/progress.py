@@ -9,15 +9,16 @@ from tqdm import tqdm
 
 
 class ProgressBar:
-    """tqdm over training steps; shows the figures a user watches during a run.
+    """tqdm over training steps (or `unit`s); shows the figures a user watches during a run.
 
-    `fields`: the stat keys to show (offline trainers); None shows RL's reward, staleness
-    and throughput.
+    `fields`: the stat keys to show (offline trainers, evaluation); None shows RL's reward,
+    staleness and throughput.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True,
-                 fields: Sequence[str] | None = None) -> None:
-        self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                 fields: Sequence[str] | None = None, desc: str = "train",
+                 unit: str = "step") -> None:
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit,
                          dynamic_ncols=True, disable=not enabled, file=sys.stderr)
         self._fields = fields
 

@@ -5,9 +5,11 @@ answers. `seed` gives the request its own random stream (choice i of n: a stream
 from it), so the same weights answer it the same way whatever else the server batches.
 Fields we accept but do not act on: `user`, `metadata`, `store`, `parallel_tool_calls`,
 `service_tier`. Fields that would change the answer and that
-we cannot honour (penalties, `logit_bias`, `echo`, `best_of`, top-k alternatives) are
-rejected when set to anything but their neutral value. Extensions (vLLM's names):
-`top_k`, `ignore_eos`, `stop_token_ids`.
+we cannot honour (penalties, `logit_bias`, `best_of`, `suffix`) are rejected when set to
+anything but their neutral value. Top-k alternatives (completions `logprobs: k`, chat
+`top_logprobs: k`) and completions `echo` (the prompt's log-probs; with `max_tokens: 0`
+only those) are served by engines that compute them (our own), non-streamed; elsewhere
+they are rejected. Extensions (vLLM's names): `top_k`, `ignore_eos`, `stop_token_ids`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from asyncrl.openai.tool_calls import hermes_messages
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 4096  # when the context length is not known
 MAX_N = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit, vLLM's default)
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls", "service_tier"}
 _COMMON = {"model", "seed", "max_tokens", "temperature", "top_p", "n", "stop", "stream",
            "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "top_k",
@@ -57,6 +60,9 @@ class Job:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token (completions logprobs: k, chat top_logprobs)
+    echo: bool = False  # completions: the prompt (and its log-probs) before the completion
+    generate: bool = True  # False: echo with max_tokens 0, the prompt's log-probs only
     tools: list[dict[str, Any]] | None = None  # set when tool calls are to be parsed
     stop: list[str] = field(default_factory=list)
 
@@ -127,7 +133,8 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def _sampling(body: dict, max_tokens: int, stop: list[str]) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, stop: list[str],
+              top_logprobs: int = 0) -> SamplingParams:
     ids = body.get("stop_token_ids") or []
     if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
         raise OpenAIError("stop_token_ids must be a list of token ids", param="stop_token_ids")
@@ -135,6 +142,7 @@ def _sampling(body: dict, max_tokens: int, stop: list[str]) -> SamplingParams:
         max_new_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 1e-9, 1.0), top_k=_int(body, "top_k", 0, lo=0),
         stop=stop, stop_token_ids=ids, ignore_eos=_bool(body, "ignore_eos", False),
+        top_logprobs=top_logprobs,
         seed=None if (seed := _int(body, "seed", None)) is None else seed % 2**63)
 
 
@@ -162,26 +170,36 @@ def parse_completion(body: Any, tokenizer, model_name: str,
                      max_model_len: int | None) -> Job:
     """Check a /v1/completions body and tokenize its prompts."""
     body = _check_fields(body, COMPLETION_FIELDS, model_name)
-    if _bool(body, "echo", False):
-        raise OpenAIError("echo is not supported", param="echo")
+    echo = _bool(body, "echo", False)
     if body.get("suffix"):
         raise OpenAIError("suffix is not supported", param="suffix")
     if _int(body, "best_of", 1, lo=1) != 1:
         raise OpenAIError("best_of is not supported (only 1)", param="best_of")
-    logprobs = _int(body, "logprobs", None, lo=0, hi=5)
-    if logprobs:
-        raise OpenAIError("logprobs > 0 asks for top-k alternatives, which this engine does not "
-                          "compute; use logprobs: 0 for the sampled tokens' log-probs",
-                          param="logprobs")
+    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     prompts = _prompts(body.get("prompt"), tokenizer)
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=0)
+    if max_tokens == 0 and not echo:
+        raise OpenAIError("max_tokens: 0 generates nothing; it is for echo: true (the prompt's "
+                          "log-probs)", param="max_tokens")
     for p in prompts:
-        _check_length(p, max_model_len, "prompt")
+        if max_tokens:
+            _check_length(p, max_model_len, "prompt")
     stop = _stop(body)
     stream, usage = _stream_flags(body)
-    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1)
-    return Job(prompts=prompts, sampling=_sampling(body, max_tokens, stop),
+    _check_not_streamed(stream, echo=echo, top_logprobs=logprobs or 0)
+    sampling = _sampling(body, max(max_tokens, 1), stop, logprobs or 0)
+    return Job(prompts=prompts, sampling=sampling,
                n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=usage,
-               logprobs=logprobs is not None, stop=stop)
+               logprobs=logprobs is not None, top_logprobs=logprobs or 0, echo=echo,
+               generate=max_tokens > 0, stop=stop)
+
+
+def _check_not_streamed(stream: bool, *, echo: bool, top_logprobs: int) -> None:
+    if stream and echo:
+        raise OpenAIError("echo is served non-streamed only; drop stream", param="echo")
+    if stream and top_logprobs:
+        raise OpenAIError("top-k log-probs are served non-streamed only; drop stream or ask "
+                          "for the sampled tokens' log-probs alone", param="logprobs")
 
 
 def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
@@ -214,10 +232,9 @@ def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
         raise OpenAIError("response_format other than {\"type\": \"text\"} is not supported",
                           param="response_format")
     logprobs = _bool(body, "logprobs", False)
-    if _int(body, "top_logprobs", 0, lo=0, hi=20):
-        raise OpenAIError("top_logprobs > 0 asks for top-k alternatives, which this engine does "
-                          "not compute; use logprobs: true with top_logprobs: 0",
-                          param="top_logprobs")
+    top_logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top_logprobs and not logprobs:
+        raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = _messages(body.get("messages"))
     tools, choice = _tools(body.get("tools"), body.get("tool_choice"))
     prompt = render_chat(tokenizer, messages, tools if choice != "none" else None, choice,
@@ -228,9 +245,11 @@ def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
     max_tokens = _int(body, "max_tokens", max_tokens, lo=1) or min(room, DEFAULT_CHAT_MAX_TOKENS)
     stop = _stop(body)
     stream, usage = _stream_flags(body)
-    return Job(prompts=[prompt], sampling=_sampling(body, max_tokens, stop),
+    _check_not_streamed(stream, echo=False, top_logprobs=top_logprobs)
+    return Job(prompts=[prompt], sampling=_sampling(body, max_tokens, stop, top_logprobs),
                n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=usage,
-               logprobs=logprobs, stop=stop, tools=tools if tools and choice != "none" else None)
+               logprobs=logprobs, top_logprobs=top_logprobs, stop=stop,
+               tools=tools if tools and choice != "none" else None)
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:

@@ -16,8 +16,12 @@ Extension fields, so agent workflows can record exactly what was sampled. On eve
     token_versions    the weight version that sampled each token
 `token_ids` are all the tokens sampled, so they may go past `text`: a final EOS token, and
 a stop string (which OpenAI's text leaves out) are in `token_ids` but not in `text`.
-Standard `logprobs` cover the same tokens; top-k alternatives are not computed
-(`top_logprobs` > 0 and `logprobs` > 0 on completions are rejected with a 400).
+Standard `logprobs` cover the same tokens. Top-k alternatives (completions `logprobs: k`:
+a {token: logprob} dict per token, the sampled token included as vLLM does; chat
+`top_logprobs: k`: `content[i].top_logprobs`) and completions `echo` (the prompt's tokens
+and log-probs first, the first token's null; `max_tokens: 0` for the prompt alone, as
+lm-evaluation-harness asks) need an engine with `serves_top_logprobs` and `ascore` (our
+own); other engines answer them with a 400.
 
 Tool calls: see `tool_calls.py`. They are read in the chat template's own format (Hermes
 `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`; `tool_parser` names one instead), from
@@ -184,29 +188,71 @@ class OpenAIRoutes:
 
     async def _answer_json(self, job: Job, *, chat: bool, envelope: dict | None = None) -> dict:
         envelope = envelope or self._envelope(chat)
+        self._check_engine_serves(job, chat)
         try:
-            resps = await asyncio.gather(*(self.engine.agenerate(r) for r in self._requests(job)))
+            resps = await asyncio.gather(*(self._generate(r, job) for r in self._requests(job)))
+            echoes = await asyncio.gather(*(self.engine.ascore(p, job.top_logprobs)
+                                            for p in job.prompts)) if _scores(job) else None
         except ValueError as e:  # the engine refused the prompt (length, vocabulary)
             raise OpenAIError(str(e), param="messages" if chat else "prompt") from None
-        build = self._chat_choice if chat else self._completion_choice
-        choices = [build(i, r, job) for i, r in enumerate(resps)]
+        if chat:
+            choices = [self._chat_choice(i, r, job) for i, r in enumerate(resps)]
+        else:
+            choices = [self._completion_choice(i, r, job, echoes[i // job.n] if echoes else None)
+                       for i, r in enumerate(resps)]
         return {**envelope, "choices": choices, "system_fingerprint": None,
                 "usage": _usage(job, resps)}
+
+    def _check_engine_serves(self, job: Job, chat: bool) -> None:
+        if (job.top_logprobs or _scores(job)) and not getattr(self.engine, "serves_top_logprobs",
+                                                              False):
+            param = "echo" if _scores(job) else "top_logprobs" if chat else "logprobs"
+            what = "the prompt's log-probs" if _scores(job) else "top-k log-probs"
+            raise OpenAIError(f"{param}: {what} are served by our own engine only, not by this "
+                              "backend", param=param)
+
+    async def _generate(self, req: GenerationRequest, job: Job) -> GenerationResponse:
+        if job.generate:
+            return await self.engine.agenerate(req)
+        # echo with max_tokens 0: nothing sampled
+        return GenerationResponse(rid=req.rid, input_ids=list(req.input_ids), output_ids=[],
+                                  output_logprobs=[], output_versions=[],
+                                  stop_reason=StopReason.LENGTH,
+                                  output_top_logprobs=[] if job.top_logprobs else None)
 
     def _envelope(self, chat: bool) -> dict:
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
 
-    def _completion_choice(self, index: int, resp: GenerationResponse, job: Job) -> dict:
+    def _completion_choice(self, index: int, resp: GenerationResponse, job: Job,
+                           echo: tuple[list[float | None], list[dict | None]] | None) -> dict:
         text, offsets = detokenize(self.tokenizer, resp.output_ids, job.stop)
+        ids, token_logprobs = list(resp.output_ids), list(resp.output_logprobs)
+        tops: list[dict[int, float] | None] = [
+            _with_sampled(top, t, lp) for t, lp, top in
+            zip(ids, token_logprobs, resp.output_top_logprobs or [])]
+        if job.echo:  # the prompt first, its first token without a log-prob
+            prompt_text, prompt_offsets = detokenize(self.tokenizer, resp.input_ids)
+            offsets = prompt_offsets + [len(prompt_text) + o for o in offsets]
+            text = prompt_text + text
+            ids = list(resp.input_ids) + ids
+            if echo is not None:
+                token_logprobs = echo[0] + token_logprobs
+                tops = [None if top is None else _with_sampled(top, t, lp)
+                        for t, lp, top in zip(resp.input_ids, echo[0], echo[1])] + tops
         logprobs = None
         if job.logprobs:
-            logprobs = {"tokens": [self._token(t) for t in resp.output_ids],
-                        "token_logprobs": list(resp.output_logprobs), "top_logprobs": None,
+            logprobs = {"tokens": [self._token(t) for t in ids], "token_logprobs": token_logprobs,
+                        "top_logprobs": [None if top is None else self._named(top)
+                                         for top in tops] if job.top_logprobs else None,
                         "text_offset": offsets}
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": _finish(resp.stop_reason), **_extension(resp)}
+
+    def _named(self, top: dict[int, float]) -> dict[str, float]:
+        """{token string: log-prob}, most likely first."""
+        return {self._token(t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])}
 
     def tool_text(self, ids: list[int], stop: list[str] | tuple[str, ...]) -> str:
         """The text of completion `ids` with the tool-call markers kept, for `tool_format`."""
@@ -226,19 +272,27 @@ class OpenAIRoutes:
             message["tool_calls"] = calls
             finish = "length" if finish == "length" else "tool_calls"
         return {"index": index, "message": message, "finish_reason": finish,
-                "logprobs": self._chat_logprobs(resp.output_ids, resp.output_logprobs)
+                "logprobs": self._chat_logprobs(resp.output_ids, resp.output_logprobs,
+                                                resp.output_top_logprobs)
                 if job.logprobs else None, **_extension(resp)}
 
     def _token(self, token_id: int) -> str:
         return token_string(token_bytes(self.tokenizer, token_id))
 
-    def _chat_logprobs(self, ids: list[int], logprobs: list[float]) -> dict:
+    def _chat_logprobs(self, ids: list[int], logprobs: list[float],
+                       tops: list[dict[int, float]] | None = None) -> dict:
         entries = []
-        for t, lp in zip(ids, logprobs):
-            raw = token_bytes(self.tokenizer, t)
-            entries.append({"token": token_string(raw), "logprob": lp, "bytes": list(raw),
-                            "top_logprobs": []})
+        for i, (t, lp) in enumerate(zip(ids, logprobs)):
+            entry = self._chat_entry(t, lp)
+            top = tops[i] if tops else {}
+            entry["top_logprobs"] = [self._chat_entry(a, alp) for a, alp in
+                                     sorted(top.items(), key=lambda kv: -kv[1])]
+            entries.append(entry)
         return {"content": entries, "refusal": None}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = token_bytes(self.tokenizer, token_id)
+        return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
     # ---- streaming --------------------------------------------------------------------
 
@@ -406,6 +460,16 @@ def _extension(resp: GenerationResponse) -> dict[str, Any]:
 
 def _token_fields(tok: StreamedToken) -> dict[str, Any]:
     return {"token_ids": [tok.id], "token_logprobs": [tok.logprob], "token_versions": [tok.version]}
+
+
+def _with_sampled(top: dict[int, float], token: int, logprob: float) -> dict[int, float]:
+    """`top` with the chosen token added when it is not among them (vLLM's completions)."""
+    return top if token in top else {**top, token: logprob}
+
+
+def _scores(job: Job) -> bool:
+    """Whether `job` needs its prompts' log-probs (echo with logprobs)."""
+    return job.echo and job.logprobs
 
 
 def _usage(job: Job, resps: list[GenerationResponse]) -> dict[str, int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from typing import Any
 
 from asyncrl.api.protocols import RewardFn
 
@@ -11,6 +13,15 @@ from asyncrl.api.protocols import RewardFn
 BUILTIN_REWARDS = {
     "gsm8k": "asyncrl.rewards.gsm8k:gsm8k_reward",
     "reasoning_gym": "asyncrl.rewards.rgym:reasoning_gym_reward",
+    # the share of an item's tests the completion's program passes, in the sandbox
+    "code": "asyncrl.agents.code_reward:code_reward",
+}
+
+# The function that reads the final answer from a completion, per built-in reward, as the
+# reward reads it (maj@k votes over these).
+BUILTIN_ANSWER_FNS = {
+    "gsm8k": "asyncrl.rewards.gsm8k:extract_final_answer",
+    "reasoning_gym": "asyncrl.rewards.rgym:extract_tagged_answer",
 }
 
 
@@ -28,19 +39,32 @@ def resolve_reward_fn(name: str, *, reward_model_path: str | None = None) -> Rew
         from asyncrl.rewards.reward_model import RewardModelScorer
 
         return RewardModelScorer(reward_model_path)
-    spec = BUILTIN_REWARDS.get(name, name)
+    return _import_function(BUILTIN_REWARDS.get(name, name), name, "reward_fn")
+
+
+def resolve_answer_fn(name: str) -> Callable[[str], str | None]:
+    """The answer extractor called `name`: a built-in reward's name (the answer it scores)
+    or "package.module:function" taking a completion and returning its answer or None."""
+    if name in BUILTIN_REWARDS and name not in BUILTIN_ANSWER_FNS:
+        raise ValueError(f"answer_fn {name!r}: that reward exposes no answer extractor; use one "
+                         f"of {sorted(BUILTIN_ANSWER_FNS)} or 'package.module:function'")
+    return _import_function(BUILTIN_ANSWER_FNS.get(name, name), name, "answer_fn")
+
+
+def _import_function(spec: str, name: str, what: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"unknown reward_fn {name!r}: use one of "
-                         f"{sorted([*BUILTIN_REWARDS, REWARD_MODEL])} or 'package.module:function'")
+        known = [*BUILTIN_REWARDS, REWARD_MODEL] if what == "reward_fn" else BUILTIN_ANSWER_FNS
+        raise ValueError(f"unknown {what} {name!r}: use one of {sorted(known)} or "
+                         "'package.module:function'")
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise ValueError(f"reward_fn {name!r}: cannot import module {module_name!r} ({e})") from e
+        raise ValueError(f"{what} {name!r}: cannot import module {module_name!r} ({e})") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward_fn {name!r}: {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{what} {name!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"reward_fn {name!r} is a {type(obj).__name__}, not a function")
+        raise ValueError(f"{what} {name!r} is a {type(obj).__name__}, not a function")
     return obj

@@ -27,13 +27,18 @@ def rg_entry(item: dict[str, Any]) -> dict[str, Any]:
     return {"question": item["question"], "answer": answer, "metadata": item["metadata"]}
 
 
+def extract_tagged_answer(completion: str) -> str | None:
+    """The content of the last `<answer>...</answer>` of `completion`, or None."""
+    return extract_answer(completion, tag_name="answer")
+
+
 def reasoning_gym_reward(completion: str, item: dict[str, Any]) -> float:
     """Score the `<answer>` of `completion` with the item's reasoning-gym task scorer."""
     if "metadata" not in item:
         raise KeyError(f"item {item.get('id')!r} has no 'metadata': not a reasoning_gym item")
     # Composite datasets mix tasks; each entry names the task that made it.
     task = item["metadata"].get("source_dataset", item["task"])
-    answer = extract_answer(completion, tag_name="answer")
+    answer = extract_tagged_answer(completion)
     if answer is None:
         return 0.0
     return float(_scorer(task)(answer, rg_entry(item)))

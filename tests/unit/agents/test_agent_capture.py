@@ -191,6 +191,7 @@ def test_evaluation_counts_each_agent_session_once():
                                versions=[-1, 0], reward=r, group_id="g",
                                meta={"session_id": f"s{item['id']}"}) for r in (0.5, 1.0)]
 
-    stats, trajs = asyncio.run(evaluate(None, TwoPieces(), [{"id": 1}, {"id": 2}],
-                                        concurrency=2))
-    assert (stats["eval/n"], stats["eval/reward"], len(trajs)) == (2.0, 0.5, 4)
+    result = asyncio.run(evaluate(None, TwoPieces(), [{"id": 1}, {"id": 2}], concurrency=2))
+    stats = result.stats
+    assert (stats["eval/n"], stats["eval/reward"], len(result.trajectories)) == (2.0, 0.5, 4)
+    assert stats["eval/pass@1"] == 0.0 and stats["eval/mean@1"] == 0.5

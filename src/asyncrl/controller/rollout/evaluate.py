@@ -1,46 +1,143 @@
-"""Held-out evaluation: run a (greedy) workflow over items, report the mean reward."""
+"""Held-out evaluation: run a workflow over items, score each item's samples.
+
+The one evaluator of the project: the trainer's evaluation during a run (greedy, one sample,
+`eval/reward`) and `asyncrl eval` (greedy, or n samples per item scored as pass@k, maj@k and
+mean@k) both call `evaluate`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.api import InferenceEngine, Trajectory, Workflow
+from asyncrl.rewards.estimators import maj_at_k, mean_at_k, pass_at_k
 
 logger = logging.getLogger(__name__)
 
+AnswerFn = Callable[[str], "str | None"]
+
+
+@dataclass
+class ItemScore:
+    """One item's samples: rewards, extracted answers (None: none found), and its scores."""
+
+    item: dict[str, Any]
+    trajectories: list[Trajectory]
+    rewards: list[float]
+    answers: list[str | None]
+    scores: dict[str, float] = field(default_factory=dict)
+
+    def record(self, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
+        """A JSON line: the question (and with `decode` the prompt as the model saw it), the
+        gold answer, the scores, and each sample's text, reward and answer."""
+        prompt = None
+        if decode is not None and self.trajectories:
+            first = self.trajectories[0]
+            prompt = decode(first.input_ids[:first.loss_mask.index(1)] if 1 in first.loss_mask
+                            else first.input_ids)
+        return {
+            "id": self.item.get("id"), "question": self.item.get("question"), "prompt": prompt,
+            "gold": self.item.get("answer"), "scores": self.scores,
+            "samples": [{"completion": t.meta.get("completion"), "reward": r, "answer": a,
+                         "output_tokens": t.n_output_tokens, "stop_reason": t.stop_reason.value}
+                        for t, r, a in zip(self.trajectories, self.rewards, self.answers)],
+        }
+
+
+@dataclass
+class EvalResult:
+    """The stats (`eval/...` keys), every trajectory, and each item's scores."""
+
+    stats: dict[str, float]
+    trajectories: list[Trajectory]
+    items: list[ItemScore]
+
 
 async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict[str, Any]], *,
-                   concurrency: int) -> tuple[dict[str, float], list[Trajectory]]:
-    """Mean reward of `workflow` over `items`, and the trajectories.
+                   concurrency: int, ks: Sequence[int] = (1,),
+                   extract_answer: AnswerFn | None = None, pass_threshold: float = 1.0,
+                   on_item: Callable[[ItemScore | None], None] | None = None) -> EvalResult:
+    """Score `workflow`'s samples of each of `items`.
 
-    Failed items are counted, logged with their cause and excluded from the mean.
+    Stats: `eval/reward` (the mean reward of all scored samples), `eval/n` (items scored),
+    `eval/failed`, `eval/output_tokens_mean`, and for each k of `ks`: `eval/pass@k` (a sample
+    is correct when its reward >= `pass_threshold`), `eval/mean@k`, and `eval/maj@k` when
+    `extract_answer` reads answers from completions. Each k must be at most the samples per
+    item. Failed items are counted, logged with their cause and left out of every mean.
+    `on_item` is called as each item ends (None for a failed one).
     """
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(item: dict[str, Any]):
+    async def one(item: dict[str, Any]) -> ItemScore:
         async with sem:
-            return await workflow.run(engine, item)
+            trajectories = await workflow.run(engine, item)
+        score = _score(item, trajectories, ks, extract_answer, pass_threshold)
+        if on_item is not None:
+            on_item(score)
+        return score
 
-    results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
-    trajectories, failures = [], 0
+    async def guarded(item: dict[str, Any]) -> ItemScore:
+        try:
+            return await one(item)
+        except Exception:
+            if on_item is not None:
+                on_item(None)
+            raise
+
+    results = await asyncio.gather(*(guarded(item) for item in items), return_exceptions=True)
+    scored, trajectories, failures = [], [], 0
     for item, result in zip(items, results):
         if isinstance(result, BaseException):
+            if not isinstance(result, Exception):
+                raise result  # cancellation, KeyboardInterrupt: not an item's failure
             failures += 1
             logger.error("evaluation of item %s failed: %r", item.get("id", "?"), result)
-        elif result:
-            trajectories.extend(result)
-    if not trajectories:
+        elif result.trajectories:
+            scored.append(result)
+            trajectories.extend(result.trajectories)
+    if not scored:
         raise RuntimeError(f"evaluation failed on all {len(items)} items; see the log for causes")
-    scored = one_per_session(trajectories)
+    return EvalResult(_stats(scored, trajectories, failures, ks), trajectories, scored)
+
+
+def _score(item: dict[str, Any], trajectories: list[Trajectory], ks: Sequence[int],
+           extract_answer: AnswerFn | None, pass_threshold: float) -> ItemScore:
+    samples = one_per_session(trajectories or [])
+    rewards = [t.reward for t in samples]
+    answers = [extract_answer(t.meta["completion"])
+               if extract_answer is not None and "completion" in t.meta else None
+               for t in samples]
+    score = ItemScore(item, list(trajectories or []), rewards, answers)
+    if not samples:
+        return score
+    n, c = len(samples), sum(r >= pass_threshold for r in rewards)
+    for k in ks:
+        if k > n:
+            raise ValueError(f"k={k} needs at least {k} samples per item, but item "
+                             f"{item.get('id', '?')!r} has {n}; sample n >= max(k)")
+        score.scores[f"pass@{k}"] = pass_at_k(n, c, k)
+        score.scores[f"mean@{k}"] = mean_at_k(rewards, k)
+        if extract_answer is not None:
+            score.scores[f"maj@{k}"] = maj_at_k(answers, rewards, k)
+    return score
+
+
+def _stats(scored: list[ItemScore], trajectories: list[Trajectory], failures: int,
+           ks: Sequence[int]) -> dict[str, float]:
+    samples = [r for s in scored for r in s.rewards]
     stats = {
-        "eval/reward": sum(t.reward for t in scored) / len(scored),
+        "eval/reward": sum(samples) / len(samples),
         "eval/n": float(len(scored)),
         "eval/failed": float(failures),
-        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(scored),
+        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(samples),
     }
-    return stats, trajectories
+    for name in scored[0].scores:
+        stats[f"eval/{name}"] = sum(s.scores[name] for s in scored) / len(scored)
+    return stats
 
 
 def one_per_session(trajectories: list[Trajectory]) -> list[Trajectory]:

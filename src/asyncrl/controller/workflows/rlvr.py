@@ -63,12 +63,14 @@ class RLVRWorkflow:
     """
 
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig, reward: RewardRunner | None, *,
-                 system_prompt: str | None = None, few_shot: Sequence[dict[str, str]] = ()):
+                 system_prompt: str | None = None, few_shot: Sequence[dict[str, str]] = (),
+                 chat_template: bool = True):
         self.tokenizer = tokenizer
         self.gconfig = gconfig
         self.reward = reward
         self.system_prompt = system_prompt
         self.few_shot = list(few_shot)
+        self.chat_template = chat_template
         self.sampling = sampling_params(gconfig, eos_token_id=tokenizer.eos_token_id)
         build_messages("", system_prompt=system_prompt, few_shot=self.few_shot)  # fail early
 
@@ -88,8 +90,12 @@ class RLVRWorkflow:
         """A greedy, one-sample copy for evaluation, sharing the prompt and reward runner."""
         gconfig = dataclasses.replace(self.gconfig, n_samples=1, greedy=True,
                                       max_new_tokens=max_new_tokens or self.gconfig.max_new_tokens)
+        return self.with_sampling(gconfig)
+
+    def with_sampling(self, gconfig: GenerationConfig) -> RLVRWorkflow:
+        """A copy that samples as `gconfig` says, sharing the prompt and reward runner."""
         return RLVRWorkflow(self.tokenizer, gconfig, self.reward, system_prompt=self.system_prompt,
-                            few_shot=self.few_shot)
+                            few_shot=self.few_shot, chat_template=self.chat_template)
 
     def close(self) -> None:
         """Stop the reward workers (shared with `for_eval` copies)."""
@@ -97,10 +103,20 @@ class RLVRWorkflow:
             self.reward.close()
 
     def prompt_ids(self, item: dict[str, Any]) -> list[int]:
-        """The chat prompt of `item`, as token ids."""
+        """The prompt of `item` as token ids: its chat prompt, or with `chat_template` off the
+        plain text (system prompt, each example's question and answer, the question)."""
+        if not self.chat_template:
+            return self.tokenizer.encode(self.plain_prompt(item["question"]))
         messages = build_messages(item["question"], system_prompt=self.system_prompt,
                                   few_shot=self.few_shot)
         return encode_chat(self.tokenizer, messages)
+
+    def plain_prompt(self, question: str) -> str:
+        """The prompt without a chat template: parts joined by blank lines, the question
+        last and verbatim (a base model continues it, e.g. a HumanEval function)."""
+        parts = [self.system_prompt] if self.system_prompt else []
+        parts += [f"{ex['question']}\n{ex['answer']}" for ex in self.few_shot]
+        return "\n\n".join([*parts, question])
 
     async def run(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
         """One trajectory per sample; samples are generated and scored concurrently."""

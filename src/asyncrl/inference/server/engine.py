@@ -54,7 +54,7 @@ from asyncrl.inference.server.model import (
     hf_shapes,
     mapped_checkpoint,
 )
-from asyncrl.inference.server.sampling import SamplingBatch, StopChecker, sample
+from asyncrl.inference.server.sampling import SamplingBatch, StopChecker, sample, top_logprobs
 from asyncrl.models import lora
 from asyncrl.models.hub import resolve_model_path
 
@@ -81,6 +81,7 @@ class _Seq:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)  # with sampling.top_logprobs
     kv_current: bool = True  # its cached keys and values come from the current weights
     # MoE: the experts chosen for its tokens so far, in order, as chunks [n, layers, top_k]
     routes: list[torch.Tensor] = field(default_factory=list)
@@ -101,7 +102,8 @@ class _Seq:
         return GenerationResponse(
             rid=self.req.rid, input_ids=list(self.req.input_ids), output_ids=self.output_ids,
             output_logprobs=self.logprobs, output_versions=self.versions, stop_reason=reason,
-            latency_s=time.monotonic() - self.t_submit, routed_experts=routes)
+            latency_s=time.monotonic() - self.t_submit, routed_experts=routes,
+            output_top_logprobs=self.tops if self.req.sampling.top_logprobs else None)
 
 
 def eos_token_ids(path: str, tokenizer) -> list[int]:
@@ -257,6 +259,36 @@ class LocalEngine:
                 raise RuntimeError("the inference engine was shut down")
             self._waiting.append(seq)
             self._cond.notify_all()
+
+    def score(self, input_ids: list[int], top_k: int = 0,
+              timeout: float = 600.0) -> tuple[list[float | None], list[dict[int, float] | None]]:
+        """The log-prob of each token of `input_ids` given those before it (the first: None),
+        and with `top_k` > 0 the `top_k` most likely tokens {id: log-prob} at each position
+        (the first: None): log_softmax of the current weights' logits, no temperature.
+
+        Runs between steps in a free cache slot (waiting up to `timeout` s for one).
+        """
+        self._check_request(GenerationRequest(input_ids=list(input_ids)))
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._step_lock:
+                slot = len(self._active)
+                if slot < self.config.max_batch_size:
+                    tokens = torch.tensor([input_ids], device=self.device)
+                    lengths = torch.tensor([len(input_ids)], device=self.device)
+                    logits = self.model.prefill(tokens, lengths, self.cache, slot,
+                                                all_logits=True)[0, :-1].float()
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no free cache slot to score a prompt within {timeout} s")
+            time.sleep(0.01)
+        logprobs = logits.log_softmax(dim=-1)
+        picked = logprobs.gather(-1, torch.tensor(input_ids[1:], device=logits.device)[:, None])
+        tops: list[dict[int, float] | None] = [None] * len(input_ids)
+        if top_k > 0:
+            values, ids = logprobs.topk(top_k, dim=-1)
+            tops[1:] = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        return [None, *picked[:, 0].tolist()], tops
 
     def generate(self, req: GenerationRequest, timeout: float | None = None) -> GenerationResponse:
         """Submit and block until done (needs `start()`, or another thread calling `step()`)."""
@@ -436,7 +468,7 @@ class LocalEngine:
         self._last_token[start:start + len(new)] = tokens
         self._position[start:start + len(new)] = torch.tensor(
             [len(s.req.input_ids) for s in new], device=self.device)
-        self._record(start, tokens, logprobs)
+        self._record(start, tokens, logprobs, _tops(logits, sb, new))
 
     def _prefill(self, seqs: list[_Seq], start: int, token_lists: list[list[int]]) -> torch.Tensor:
         """Prefill `token_lists` into slots start.., in budget-sized chunks; last logits [n, V].
@@ -480,7 +512,7 @@ class LocalEngine:
         self._last_token[:n] = tokens
         self._position[:n_old] += 1
         self._position[n_old:n] = torch.tensor([len(p) for p in prompts])
-        self._record(0, tokens, logprobs)
+        self._record(0, tokens, logprobs, _tops(logits, self._sampling, self._active))
 
     def _forward_prompts(self, base: int, prompts: list[list[int]], *, decode: bool,
                          cached: Sequence[list[int]] = ()) -> torch.Tensor:
@@ -551,16 +583,20 @@ class LocalEngine:
                                   _draws(self._sampling, self._active))
         self._last_token[:n] = tokens
         self._position[:n] += 1
-        self._record(0, tokens, logprobs)
+        self._record(0, tokens, logprobs, _tops(logits, self._sampling, self._active))
 
-    def _record(self, start: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append the sampled tokens to sequences start.. and retire those that stop."""
+    def _record(self, start: int, tokens: torch.Tensor, logprobs: torch.Tensor,
+                tops: list[dict[int, float] | None] | None = None) -> None:
+        """Append the sampled tokens (and any top log-probs) to sequences start.. and retire
+        those that stop."""
         finished: list[tuple[int, StopReason]] = []
         for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist()), start):
             seq = self._active[i]
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
+            if tops is not None and tops[i - start] is not None:
+                seq.tops.append(tops[i - start])
             if seq.on_token is not None:
                 seq.on_token(tok, lp, self.version)
             if seq.stop.is_stop(seq.output_ids):
@@ -611,6 +647,13 @@ class LocalEngine:
             self._sampling = None
         for seq in seqs:
             seq.on_done(error)
+
+
+def _tops(logits: torch.Tensor, sb: SamplingBatch,
+          seqs: list[_Seq]) -> list[dict[int, float] | None] | None:
+    """The top log-probs of the rows whose request asks for them; None if none does."""
+    ks = [s.req.sampling.top_logprobs for s in seqs]
+    return top_logprobs(logits, sb, ks) if any(ks) else None
 
 
 def _draws(sb: SamplingBatch, seqs: list[_Seq]) -> torch.Tensor | None:

@@ -27,8 +27,16 @@ def _settle(fut: asyncio.Future, result: Any) -> None:
 class LocalBackend:
     """Async generation on a started `LocalEngine` (the OpenAI routes' engine)."""
 
+    # The OpenAI routes serve top-k log-probs and prompt log-probs (echo) from this engine.
+    serves_top_logprobs = True
+
     def __init__(self, engine: LocalEngine):
         self.engine = engine
+
+    async def ascore(self, input_ids: list[int], top_k: int = 0
+                     ) -> tuple[list[float | None], list[dict[int, float] | None]]:
+        """`LocalEngine.score` off the event loop (ValueError if the engine refuses the ids)."""
+        return await asyncio.to_thread(self.engine.score, input_ids, top_k)
 
     async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
         """Generate one completion; ValueError if the engine refuses the request."""

@@ -197,6 +197,24 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     return tokens, (shifted.gather(-1, tokens[:, None]) - log_norm)[:, 0]
 
 
+def top_logprobs(logits: torch.Tensor, sb: SamplingBatch,
+                 ks: Sequence[int]) -> list[dict[int, float] | None]:
+    """Per row, its `ks[row]` most likely tokens {id: log-prob} under the distribution the
+    sampled token's log-prob comes from (log_softmax(logits / T), greedy rows T = 1); None
+    for rows with k = 0."""
+    out: list[dict[int, float] | None] = [None] * len(ks)
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    scaled = logits[index].float() / sb.temperature[index, None]
+    values, ids = scaled.log_softmax(dim=-1).topk(max(ks[i] for i in rows), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        out[i] = dict(zip(ids[j][:ks[i]], values[j][:ks[i]]))
+    return out
+
+
 def _sample_with_kernel(kernels, logits: torch.Tensor, sb: SamplingBatch,
                         u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, v = logits.shape

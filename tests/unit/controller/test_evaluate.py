@@ -1,0 +1,150 @@
+"""The one evaluator: per-item pass@k, maj@k, mean@k from a workflow's samples; the
+`asyncrl eval` options it refuses; its table and outputs."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.api import Trajectory
+from asyncrl.cli import main
+from asyncrl.config.schema import DatasetConfig
+from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, table, write_outputs
+from asyncrl.controller.rollout.evaluate import evaluate
+from asyncrl.rewards.gsm8k import extract_final_answer
+
+# Each item's samples (completion, reward), as a workflow with n = 4 returns them.
+SAMPLES = {
+    "a": [("#### 4", 1.0), ("#### 5", 0.0), ("#### 4", 1.0), ("no answer", 0.0)],
+    "b": [("#### 7", 0.0), ("#### 7", 0.0), ("#### 9", 1.0), ("#### 7", 0.0)],
+    "c": [("#### 1", 0.0), ("#### 2", 0.0), ("#### 3", 0.0), ("#### 4", 0.0)],
+}
+
+
+class Scripted:
+    """A workflow answering each item with its scripted samples."""
+
+    async def run(self, engine, item):
+        if item["id"] == "broken":
+            raise RuntimeError("the server is gone")
+        return [Trajectory(input_ids=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0] * 3,
+                           versions=[-1, 0, 0], reward=r, group_id=item["id"],
+                           meta={"completion": text})
+                for text, r in SAMPLES[item["id"]]]
+
+
+def run_scripted(ids, ks):
+    return asyncio.run(evaluate(None, Scripted(), [{"id": i} for i in ids], concurrency=2,
+                                ks=ks, extract_answer=extract_final_answer))
+
+
+def test_scores_each_item_by_hand_and_averages_over_items():
+    result = run_scripted(["a", "b", "c"], ks=(1, 2, 4))
+    by_id = {s.item["id"]: s.scores for s in result.items}
+    # a: 2 of 4 correct. pass@2 = 1 - C(2,2)/C(4,2) = 5/6. Votes over 4: "4" twice -> 1.
+    assert by_id["a"]["pass@1"] == pytest.approx(0.5)
+    assert by_id["a"]["pass@2"] == pytest.approx(5 / 6)
+    assert (by_id["a"]["pass@4"], by_id["a"]["maj@4"], by_id["a"]["mean@2"]) == (1.0, 1.0, 0.5)
+    # b: 1 of 4. pass@2 = 1 - C(3,2)/C(4,2) = 1/2. maj@4: "7" three times -> 0; maj@1 "7" -> 0
+    assert by_id["b"]["pass@2"] == pytest.approx(0.5)
+    assert (by_id["b"]["maj@4"], by_id["b"]["maj@1"], by_id["b"]["mean@4"]) == (0.0, 0.0, 0.25)
+    assert by_id["c"]["pass@4"] == 0.0
+    stats = result.stats
+    assert stats["eval/pass@2"] == pytest.approx((5 / 6 + 0.5 + 0) / 3)
+    assert stats["eval/maj@4"] == pytest.approx(1 / 3)
+    assert stats["eval/reward"] == pytest.approx(3 / 12)  # every sample's reward
+    assert (stats["eval/n"], stats["eval/failed"]) == (3.0, 0.0)
+    assert [s.answers for s in result.items if s.item["id"] == "a"] == [["4", "5", "4", None]]
+
+
+def test_a_failed_item_is_counted_and_left_out_of_the_means():
+    result = run_scripted(["a", "broken"], ks=(1,))
+    assert (result.stats["eval/n"], result.stats["eval/failed"]) == (1.0, 1.0)
+    assert result.stats["eval/pass@1"] == pytest.approx(0.5)
+
+
+def test_without_an_extractor_there_is_no_maj_at_k():
+    result = asyncio.run(evaluate(None, Scripted(), [{"id": "a"}], concurrency=1, ks=(1,)))
+    assert "eval/maj@1" not in result.stats and result.stats["eval/mean@1"] == 1.0
+
+
+def spec(tmp_path, **kw):
+    return EvalSpec(**{"model": "m", "dataset": DatasetConfig(path="x.jsonl"), "out": tmp_path,
+                       **kw})
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"n": 4, "ks": [1, 8], "temperature": 1.0}, "needs at least 8 samples per item; set --n >= 8"),
+    ({"n": 4, "ks": [1]}, "greedy samples would all be the same answer"),
+    ({"ks": [0]}, "give positive integers"),
+    ({"backend": "tgi"}, "--backend 'tgi' is not one of"),
+    ({"limit": 0}, "--limit 0"),
+])
+def test_options_that_cannot_work_are_refused_with_what_to_change(tmp_path, kw, match):
+    with pytest.raises(EvalSpecError, match=match):
+        spec(tmp_path, **kw)
+
+
+def test_cli_refuses_a_bad_k_list_and_a_missing_dataset(capsys):
+    assert main(["eval", "--model", "m", "--data", "x.jsonl", "--k", "1,four"]) == 2
+    assert "--k '1,four' must be integers" in capsys.readouterr().err
+    assert main(["eval", "--model", "m"]) == 2
+    assert "give --data" in capsys.readouterr().err
+
+
+def test_outputs_hold_each_item_and_the_means(tmp_path, capsys):
+    result = run_scripted(["a", "b"], ks=(1, 2))
+    summary = write_outputs(spec(tmp_path, n=4, ks=[1, 2], temperature=1.0), result,
+                            decode=lambda ids: "-".join(map(str, ids)))
+    rows = [json.loads(line) for line in (tmp_path / "items.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"]
+    assert rows[0]["prompt"] == "1"  # the tokens before the first trained one (loss mask 1)
+    assert [s["answer"] for s in rows[0]["samples"]] == ["4", "5", "4", None]
+    assert rows[1]["scores"]["pass@2"] == pytest.approx(0.5)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["stats"]["eval/pass@2"] == pytest.approx((5 / 6 + 0.5) / 2)
+    assert saved["spec"]["ks"] == [1, 2] and Path(summary["plot"]).stat().st_size > 0
+    printed = capsys.readouterr().out
+    # k=2: pass (5/6 + 1/2) / 2, maj (1 + 0) / 2, mean (1/2 + 0) / 2
+    assert printed.splitlines()[2].split() == ["2", "0.6667", "0.5000", "0.2500"]
+
+
+def test_table_has_a_row_per_k():
+    stats = {"eval/pass@1": 0.25, "eval/mean@1": 0.25, "eval/pass@4": 0.5, "eval/mean@4": 0.3,
+             "eval/n": 4.0, "eval/failed": 0.0, "eval/reward": 0.25,
+             "eval/output_tokens_mean": 12.0}
+    lines = table(stats, [1, 4]).splitlines()
+    assert lines[0].split() == ["k", "pass@k", "mean@k"]
+    assert lines[2].split() == ["4", "0.5000", "0.3000"]
+
+
+def test_an_adapter_folder_is_evaluated_merged_into_its_base(tmp_path):
+    """`--model` an adapter folder: the model served is W + (alpha / r) B A (by hand)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from asyncrl.controller.evaluation import _served_model
+    from asyncrl.models.tiny import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "base")
+    name = "model.layers.0.self_attn.q_proj"
+    w = load_file(f"{base}/model.safetensors")[f"{name}.weight"]
+    a, b = torch.randn(2, w.shape[1]), torch.randn(w.shape[0], 2)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({f"base_model.model.{name}.lora_A.weight": a,
+               f"base_model.model.{name}.lora_B.weight": b},
+              adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"r": 2, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA",
+         "base_model_name_or_path": base}))
+    with _served_model(spec(tmp_path / "out", model=str(adapter),
+                            base_urls=["http://127.0.0.1:9"])) as (path, urls):
+        merged = load_file(f"{path}/model.safetensors")[f"{name}.weight"]
+        torch.testing.assert_close(merged, w + 4.0 * (b @ a), atol=1e-5, rtol=1e-5)
+        assert urls == ["http://127.0.0.1:9"]
+    with pytest.raises(EvalSpecError, match="--base .* is for adapter folders"):
+        with _served_model(spec(tmp_path / "out", model=base, base="x",
+                                base_urls=["http://127.0.0.1:9"])):
+            pass
