@@ -655,8 +655,9 @@ class ExperimentConfig:
         None when none of them gives one. A key that contradicts another is an error naming
         both."""
         rollout, actor = self.rollout, self.actor
-        backend, servers, server_tp = (parse_rollout_backend(rollout.backend)
-                                       if rollout.backend is not None else (None, None, 1))
+        backend, servers, server_tp, server_ep = (
+            parse_rollout_backend(rollout.backend) if rollout.backend is not None
+            else (None, None, 1, 1))
         _check(servers is None or rollout.n_servers in (None, servers),
                f"rollout.n_servers={rollout.n_servers} contradicts rollout.backend="
                f"{rollout.backend!r} (which means {servers} servers); drop rollout.n_servers "
@@ -666,9 +667,10 @@ class ExperimentConfig:
         if self.allocation_mode is None:
             if train is None and server_tp == 1 and ":" not in (rollout.backend or ""):
                 return None  # no layout given: the defaults
-            data, tensor = train or (1, 1)
+            data, tensor, expert = train or (1, 1, 1)
             return parse_allocation_mode(
-                f"{backend or 'local'}:d{servers or 1}t{server_tp}+fsdp:d{data}t{tensor}")
+                f"{backend or 'local'}:d{servers or 1}t{server_tp}e{server_ep}"
+                f"+fsdp:d{data}t{tensor}e{expert}")
         alloc = parse_allocation_mode(self.allocation_mode)
         mode = self.allocation_mode
         for key, have, want in (("backend", backend, alloc.backend),
@@ -677,10 +679,12 @@ class ExperimentConfig:
             _check(have is None or have == want,
                    f"rollout.{key}={shown} contradicts allocation_mode={mode!r} "
                    f"(which means {want}); drop rollout.{key} or make them agree")
-        _check(":" not in (rollout.backend or "") or server_tp == alloc.server_tensor_size,
+        _check(":" not in (rollout.backend or "")
+               or (server_tp, server_ep) == (alloc.server_tensor_size, alloc.server_expert_size),
                f"rollout.backend={rollout.backend!r} contradicts allocation_mode={mode!r} "
                f"(inference part {alloc.rollout_part}); drop one or make them agree")
-        _check(train is None or train == (alloc.trainer_data_size, alloc.trainer_tensor_size),
+        _check(train is None or train == (alloc.trainer_data_size, alloc.trainer_tensor_size,
+                                          alloc.trainer_expert_size),
                f"actor.backend={actor.backend!r} contradicts allocation_mode={mode!r} "
                f"(training part {alloc.train_part}); drop one or make them agree")
         return alloc
@@ -771,3 +775,10 @@ class ExperimentConfig:
         """GPUs of each inference server (allocation_mode's t of the inference part)."""
         alloc = self.allocation
         return 1 if alloc is None else alloc.server_tensor_size
+
+    @property
+    def server_expert_size(self) -> int:
+        """GPUs of each inference server that split the experts (the e of the inference
+        part)."""
+        alloc = self.allocation
+        return 1 if alloc is None else alloc.server_expert_size
