@@ -172,8 +172,10 @@ class RolloutConfig:
     # The inference servers: "local" (ours), "vllm" or "sglang" (pip install asyncrl[vllm]
     # / sglang), optionally with AReaL's layout: "vllm:d<N>t<T>" is N servers of T GPUs
     # each (tensor parallel: vLLM's --tensor-parallel-size, SGLang's --tp-size; not our
-    # engine). null: from allocation_mode, else "local". Set it and allocation_mode only if
-    # they agree. Once loaded it holds the name alone (the layout: allocation_mode).
+    # engine); "sglang:d<N>t<T>e<E>" splits an MoE model's experts over E of them (SGLang's
+    # --ep-size; vLLM's --enable-expert-parallel, E = T). null: from allocation_mode, else
+    # "local". Set it and allocation_mode only if they agree. Once loaded it holds the name
+    # alone (the layout: allocation_mode).
     backend: Optional[str] = None
     n_servers: Optional[int] = None  # null: from allocation_mode or backend's d<N>, else 1
     request_timeout: float = 3600.0  # seconds for one generation request
@@ -479,7 +481,8 @@ class ExperimentConfig:
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
     tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
     # AReaL's "<backend>:d<N>t<T>+fsdp:d<M>t<S>", e.g. "vllm:d2+fsdp:d1": N servers of T
-    # GPUs each, M x S trainer ranks (M data x S tensor parallel; t1 may be left out). It
+    # GPUs each, M x S trainer ranks (M data x S tensor parallel; t1 may be left out); e<E>
+    # on either side splits an MoE model's experts (fsdp:d<M>e<E>: M x E ranks). It
     # sets rollout.backend and rollout.n_servers and actor.backend, which may then only
     # repeat it. With "|" instead of "+" ("local:d1|fsdp:d1") servers and trainer ranks
     # share the same GPUs: one GPU runs the whole run (config/allocation.py,
