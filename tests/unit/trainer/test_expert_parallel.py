@@ -34,7 +34,8 @@ MB_SPEC = MicroBatchSpec(max_tokens_per_mb=12)
 # gradient_clipping 1.0 is below the gradient norm: the clip runs on split gradients.
 # eps=1.0 keeps AdamW's first step proportional to the gradient, so a wrong gradient shows.
 OPTIMIZER = OptimizerConfig(lr=1e-2, eps=1.0, gradient_clipping=1.0)
-CASES = {"plain": {}, "replay_aux": {"routing_replay": True, "router_aux_loss_coef": 0.5}}
+CASES = {"replay_aux": {"routing_replay": True, "router_aux_loss_coef": 0.5},
+         "prefix_aux": {"shared_prefix": True, "router_aux_loss_coef": 0.5}}
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +87,11 @@ def step(engine):
             "params": engine.hf_state_dict()}
 
 
-def _worker(rank, port, path, case, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+def _worker(rank, world, port, path, case, backend, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    engine = make_engine(path, case, "fsdp:d1e2")
+    engine = make_engine(path, case, backend)
     result = step(engine)
     result["shapes"] = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()
                         if isinstance(p, DTensor) and "experts" in n}
@@ -99,17 +100,21 @@ def _worker(rank, port, path, case, out_dir):
     engine.destroy()
 
 
-@pytest.mark.parametrize("case", [
-    "replay_aux",  # ~25 s here: the one run that covers routing replay and the aux loss too
-    pytest.param("plain", marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend, world, case", [
+    # ~25 s here: the one run that covers routing replay and the aux loss too
+    ("fsdp:d1e2", 2, "replay_aux"),
+    # the trie forward's packed node rows (padding nodes included) through the exchange
+    pytest.param("fsdp:d1e2", 2, "prefix_aux", marks=pytest.mark.slow),
+    # experts also FSDP-sharded over the d2 ranks that hold the same ones
+    pytest.param("fsdp:d2e2", 4, "replay_aux", marks=pytest.mark.slow),
 ])
-def test_e2_trains_as_one_rank_does(moe_path, tmp_path, case):
-    torch.multiprocessing.spawn(_worker, args=(free_port(), moe_path, case, str(tmp_path)),
-                                nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+def test_an_expert_mesh_trains_as_one_rank_does(moe_path, tmp_path, backend, world, case):
+    torch.multiprocessing.spawn(_worker, args=(world, free_port(), moe_path, case, backend,
+                                               str(tmp_path)), nprocs=world)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     engine = make_engine(moe_path, case)
     one = step(engine)
-    keys = ["loss", "grad_norm"] + (["router_aux_loss"] if case == "replay_aux" else [])
+    keys = ["loss", "grad_norm", "router_aux_loss"]
     for got in ranks:
         torch.testing.assert_close(got["logprobs"], one["logprobs"], atol=1e-5, rtol=1e-5)
         for key in keys:
@@ -118,7 +123,7 @@ def test_e2_trains_as_one_rank_does(moe_path, tmp_path, case):
             torch.testing.assert_close(got["grads"][name], grad, atol=1e-7, rtol=1e-5)
     assert one["stats"]["grad_norm"] > 2 * OPTIMIZER.gradient_clipping  # the clip did act
     per_rank = EXPERTS // 2
-    for r, got in enumerate(ranks):
+    for r, got in enumerate(ranks if world == 2 else []):  # d1: a rank's part is its experts
         # Each rank holds 4 of the 8 experts of each layer, and their gradient is the one
         # rank's for those experts: every token of the group routed there reached it.
         assert sorted(got["local"]) == sorted(n for n in one["grads"] if "experts" in n)
@@ -127,7 +132,7 @@ def test_e2_trains_as_one_rank_does(moe_path, tmp_path, case):
             torch.testing.assert_close(grad, one["grads"][name][r * per_rank:(r + 1) * per_rank],
                                        atol=1e-7, rtol=1e-5)
     published = ranks[0]["params"]
-    assert not ranks[1]["params"]
+    assert not any(r["params"] for r in ranks[1:])
     assert sorted(published) == sorted(one["params"])
     for name, value in one["params"].items():
         assert published[name].shape == value.shape, name
