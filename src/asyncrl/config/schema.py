@@ -647,7 +647,7 @@ class ExperimentConfig:
             hint = (f"; to have servers and trainer ranks share {gpus} GPU(s), use "
                     f"'{alloc.backend}:d{min(gpus, world)}|fsdp:d{min(gpus, world)}'"
                     if alloc.server_gpus + world > gpus and alloc.server_tensor_size == 1
-                    and alloc.trainer_tensor_size == 1 else "")
+                    and alloc.trainer_tensor_size == 1 and alloc.trainer_expert_size == 1 else "")
             _check(alloc.server_gpus + world <= gpus,
                    f"allocation_mode={mode!r} needs {alloc.server_gpus} inference + "
                    f"{world} trainer GPUs but cluster.n_nodes x "

@@ -177,7 +177,9 @@ class _SumOwnRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, parts: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
         ctx.counts, ctx.group = counts, group
-        return _own_rows(_summed(parts, group), counts, group)
+        # A copy, not a view: FSDP2 warns that an in-place op on a module's view output
+        # would skip its pre-backward hook.
+        return _own_rows(_summed(parts, group), counts, group).clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
