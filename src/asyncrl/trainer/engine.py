@@ -318,7 +318,7 @@ class FSDPTrainEngine:
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
         if self.layout.expert_parallel:
-            experts.check_model(hf_model, self.layout.expert)  # before loading anything more
+            experts.check_model(hf_model, self.layout.expert)  # refused before any other set-up
         if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too
             if self.layout.tensor_parallel or self.layout.expert_parallel:
                 raise ValueError(f"actor.use_lora=true with actor.backend={self.spec.backend!r} "
@@ -395,7 +395,7 @@ class FSDPTrainEngine:
                 if experts.is_experts(module):
                     fully_shard(module, mesh=mesh["dp"], mp_policy=mp,
                                 reshard_after_forward=reshard)
-            mesh = mesh["dp", "ep"]._flatten("world")
+            mesh = mesh["dp", "ep"]._flatten("world")  # every rank, one dimension
         for layer in model.hf.get_decoder().layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
