@@ -12,18 +12,19 @@ The MoE block on a rank runs its own router on its own tokens (routing replay an
 load-balancing loss act there, unchanged). Its experts module then all-gathers the group's
 tokens, their chosen experts and routing weights, computes what its own experts add to
 every gathered token (HF's own experts implementation, on the local experts, other experts
-as its expert-parallel sentinel), and an all-reduce sums the ranks' parts, each rank
-keeping its own tokens' rows. A token's output is thus the sum, over its top-k experts,
-of weight x expert(token), as on one rank; with top_k 2 and the two parts added once, the
-same floating-point sum. The collectives are all-gather and all-reduce, which gloo has on
-the CPU (all_to_all it has not); the all-reduce moves E times the rows an all-to-all would,
-the price of that.
+as its expert-parallel sentinel), and a reduce-scatter sums the ranks' parts, each rank
+receiving its own tokens' rows. A token's output is thus the sum, over its top-k experts,
+of weight x expert(token), as on one rank; with top_k 2 at most two parts are non-zero and
+the sum is the same floating-point sum (adding an exact zero changes nothing). All-gather
+and reduce-scatter need no per-destination token counts and run the same on gloo and NCCL;
+an all-to-all that sends each token only to the ranks holding its experts (gloo has one in
+torch 2.13, older versions had not) would move fewer bytes, and is not what this does.
 
-Gradients: the backward of the all-gather is an all-reduce of the gathered rows' gradients
-(each rank's tokens get what every rank's experts sent back), the backward of the sum is an
-all-gather, so an expert's gradient comes from every token of the group routed to it, and
-only on the rank that holds it; FSDP2 sums it over the M ranks holding the same experts and
-sums every other gradient over the world.
+Gradients: the backward of the all-gather is a reduce-scatter of the gathered rows'
+gradients (each rank's tokens get what every rank's experts sent back), the backward of the
+sum is an all-gather, so an expert's gradient comes from every token of the group routed to
+it, and only on the rank that holds it; FSDP2 sums it over the M ranks holding the same
+experts and sums every other gradient over the world.
 """
 
 from __future__ import annotations
@@ -141,17 +142,18 @@ def _gather(rows: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
     return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
-def _own_rows(full: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
-    """This rank's rows of the group's rows `full`."""
-    rank = dist.get_rank(group)
-    start = sum(counts[:rank])
-    return full[start:start + counts[rank]]
-
-
-def _summed(t: torch.Tensor, group: Any) -> torch.Tensor:
-    out = t.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
+def _sum_own_rows(full: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
+    """This rank's rows of `full` (the group's rows, in rank order) summed over the ranks: a
+    reduce-scatter of each rank's rows padded to the largest count."""
+    most, rank = max(counts), dist.get_rank(group)
+    padded = full.new_zeros((len(counts), most, *full.shape[1:]))
+    start = 0
+    for i, n in enumerate(counts):
+        padded[i, :n] = full[start:start + n]
+        start += n
+    out = torch.empty_like(padded[0])
+    dist.reduce_scatter(out, list(padded.unbind(0)), group=group)
+    return out[:counts[rank]]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -166,8 +168,8 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor) -> tuple[Any, ...]:
-        return (_own_rows(_summed(grad_x, ctx.group), ctx.counts, ctx.group),
-                _own_rows(_summed(grad_w, ctx.group), ctx.counts, ctx.group), None, None)
+        return (_sum_own_rows(grad_x, ctx.counts, ctx.group),
+                _sum_own_rows(grad_w, ctx.counts, ctx.group), None, None)
 
 
 class _SumOwnRows(torch.autograd.Function):
@@ -179,7 +181,7 @@ class _SumOwnRows(torch.autograd.Function):
         ctx.counts, ctx.group = counts, group
         # A copy, not a view: FSDP2 warns that an in-place op on a module's view output
         # would skip its pre-backward hook.
-        return _own_rows(_summed(parts, group), counts, group).clone()
+        return _sum_own_rows(parts, counts, group).clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
