@@ -6,7 +6,9 @@ gradient norm, each rank's expert gradients and the published weights after a st
 Tolerance: fp32 compute. The experts' matmuls run on the group's gathered rows instead of
 one rank's micro-batch rows, and gradients are summed over ranks in another order, so
 values agree to a few fp32 roundings, not bit for bit: relative 1e-5 (log-probs also
-absolute 1e-5); observed about 1e-7 here.
+absolute 1e-5). Observed on e2 here: loss and aux loss 1.5e-8 apart (relative), the
+gradient norm equal, log-probs 1e-6 (absolute), gradients 9e-7 of their largest entry,
+weights after the step 1.2e-7 (relative).
 """
 
 import dataclasses
