@@ -5,7 +5,9 @@ be ended by ending its process):
 
 Workers: `build` (random bf16 models of the shapes below, saved as HF folders), `calibrate`
 (the device's bf16 matmul peak and copy bandwidth, measured), `shape` (one shape's training
-steps, decode throughput and weight publishing) and `grpo` (`grpo_one_gpu.run`). Each writes
+steps, decode throughput and weight publishing), `lora` (LoRA steps, an adapter-only publish
+and the engine's log-probs under it), `moe` (a Qwen3-MoE training step with routing replay
+on the engine's recorded routes) and `grpo` (`grpo_one_gpu.run`). Each writes
 its measurements to FILE as JSON after every part, so a part that crashes or hangs leaves
 the earlier parts' numbers; derived figures (MFU, the bandwidth limit) are left to
 `check.py`, which has the calibration.
@@ -441,6 +443,126 @@ class part:
         return isinstance(error, Exception)  # a KeyboardInterrupt still stops the worker
 
 
+# ---- lora and moe ------------------------------------------------------------------------
+
+LORA = dict(rank=16, alpha=32, steps=2)  # two steps move the adapters off their zero start
+# The Qwen3-MoE built by the `moe` worker: hidden 1024, 8 layers, 16 experts of 384, top 4
+# (about 150M parameters) on a GPU; make_tiny_model's defaults (8 experts, top 2) on the CPU.
+MOE_FULL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
+                intermediate_size=1024,
+                moe={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 384})
+
+
+def train_spec(spec: dict, size: dict, **keys):
+    """A bf16 TrainEngineSpec on the step's device."""
+    from asyncrl.config.engine import MicroBatchSpec, OptimizerConfig, TrainEngineSpec
+
+    return TrainEngineSpec(path=spec["model"], dtype="bfloat16",
+                           device="cuda" if spec["device"].startswith("cuda") else "cpu",
+                           optimizer=OptimizerConfig(lr=1e-3),
+                           mb_spec=MicroBatchSpec(max_tokens_per_mb=size["max_tokens_per_mb"]),
+                           **keys)
+
+
+def local_engine(spec: dict, size: dict, rows: int):
+    from asyncrl.config.schema import LocalEngineConfig
+    from asyncrl.inference.server.engine import LocalEngine
+
+    config = LocalEngineConfig(dtype="bfloat16", max_batch_size=rows,
+                               max_seq_len=128 + size["gap_tokens"])
+    return LocalEngine(spec["model"], config, device=spec["device"])
+
+
+def lora(spec: dict, result: dict, save: Callable[[], None]) -> None:
+    """LoRA (all-linear) in bf16: training steps, the adapters alone published as PEFT's
+    folder, merged by the local engine, and its sampled log-probs against the trainer's."""
+    from safetensors import safe_open
+
+    from asyncrl.models import lora as lora_files
+    from asyncrl.trainer import FSDPTrainEngine
+
+    size = SIZES["tiny" if spec["tiny"] else "full"]
+    with part(result, "lora", save) as out:
+        trainer = FSDPTrainEngine(train_spec(spec, size, use_lora=True, lora_rank=LORA["rank"],
+                                             lora_alpha=LORA["alpha"]), total_steps=4)
+        trainer.initialize()
+        for seed in range(LORA["steps"]):
+            sync(spec["device"])
+            t = time.perf_counter()
+            stats = trainer.train_batch(random_batch(size, seed), nll)
+            sync(spec["device"])
+            out["step_s"] = time.perf_counter() - t
+        folder = Path(spec["work"], "adapter")
+        t = time.perf_counter()
+        trainer.save_hf(str(folder), dtype=torch.bfloat16)
+        out["save_s"] = time.perf_counter() - t
+        with safe_open(folder / lora_files.WEIGHTS_FILE, "pt") as f:
+            out["adapter_tensors"] = len(f.keys())
+            out["adapter_tensor_bytes"] = sum(f.get_tensor(k).nbytes for k in f.keys())
+        out["full_bytes"] = trainer._full_weight_bytes(torch.bfloat16)
+        out["loss"] = stats["loss"]
+        save()
+        server = local_engine(spec, size, size["gap_rows"])
+        t = time.perf_counter()
+        server.update_weights(str(folder), version=1)
+        out["load_s"] = time.perf_counter() - t
+        out["served_version"] = server.version
+        logprob_gap(trainer, server, size, out)
+        log(f"lora: {out['adapter_tensor_bytes'] / 2**20:.2f} MiB of adapters, "
+            f"max |dlogp| {out['logprob_gap_max']:.3g}")
+
+
+def moe(spec: dict, result: dict, save: Callable[[], None]) -> None:
+    """A Qwen3-MoE in bf16: completions sampled by the local engine with their routes, the
+    trainer's log-probs on them with routing replay, and a training step (replay and the
+    router load-balancing loss) that changes them."""
+    from asyncrl.api.types import Batch, GenerationRequest, SamplingParams, Trajectory
+    from asyncrl.models.tiny import make_tiny_model
+    from asyncrl.trainer import FSDPTrainEngine
+
+    size = SIZES["tiny" if spec["tiny"] else "full"]
+    with part(result, "moe", save) as out:
+        t = time.perf_counter()
+        path = make_tiny_model(Path(spec["work"], "qwen3-moe"), arch="qwen3_moe",
+                               **({} if spec["tiny"] else MOE_FULL))
+        out["build_s"] = time.perf_counter() - t
+        spec = spec | {"model": path}
+        server = local_engine(spec, size, size["gap_rows"])
+        sampling = SamplingParams(max_new_tokens=size["gap_tokens"], temperature=1.0,
+                                  ignore_eos=True, seed=1)
+        done = []
+        for i in range(size["gap_rows"]):
+            prompt = [10 + (7 * i + j) % 200 for j in range(8 + i)]
+            server.submit(GenerationRequest(input_ids=prompt, sampling=sampling), done.append)
+        while len(done) < size["gap_rows"]:
+            server.step()
+        server.close()
+        batch = Batch([Trajectory.from_response(r, reward=0.0, group_id="g")
+                       for r in done]).to_tensors()
+        if batch.routed_experts is None:
+            raise RuntimeError("the local engine recorded no routed experts")
+        trainer = FSDPTrainEngine(train_spec(spec, size, routing_replay=True,
+                                             router_aux_loss_coef=0.01), total_steps=2)
+        trainer.initialize()
+        out["params"] = sum(p.numel() for p in trainer.model.parameters())
+        mask = batch.loss_mask > 0
+        before = trainer.compute_logprobs(batch)
+        gaps = (before - batch.behavior_logprobs)[mask].abs()
+        out |= {"replay_gap_max": float(gaps.max()), "replay_gap_mean": float(gaps.mean()),
+                "logprob_tokens": int(mask.sum())}
+        sync(spec["device"])
+        t = time.perf_counter()
+        stats = trainer.train_batch(batch, nll)
+        sync(spec["device"])
+        out |= {"step_s": time.perf_counter() - t, "loss": stats["loss"],
+                "router_aux_loss": stats["router_aux_loss"], "grad_norm": stats["grad_norm"],
+                "peak_memory_bytes": peak_memory(spec["device"])}
+        after = trainer.compute_logprobs(batch)
+        out["logprob_change_max"] = float((after - before)[mask].abs().max())
+        log(f"moe: replay gap {out['replay_gap_max']:.3g}, step {out['step_s']:.3f}s, "
+            f"aux {out['router_aux_loss']:.4f}")
+
+
 # ---- grpo -------------------------------------------------------------------------------
 
 def grpo(spec: dict, result: dict, save: Callable[[], None]) -> None:
@@ -454,7 +576,8 @@ def grpo(spec: dict, result: dict, save: Callable[[], None]) -> None:
     result["row"] = row
 
 
-WORKERS = {"build": build, "calibrate": calibrate, "shape": shape, "grpo": grpo}
+WORKERS = {"build": build, "calibrate": calibrate, "shape": shape, "lora": lora, "moe": moe,
+           "grpo": grpo}
 
 
 def main() -> None:

@@ -114,3 +114,36 @@ def test_all_steps_with_device_tests_and_grpo(tmp_path):
     assert disk["status"] == "passed", disk["error"]
     assert disk["metrics"]["steps"] == 2 and disk["metrics"]["logprob_gap_max"] < 0.1
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+# The `moe` step's tiny Qwen3-MoE (make_tiny_model's defaults): per layer q and o 64x64, k and
+# v 64x32, q and k norms of 32, the router 8x64, 8 experts' gate_up 64x64 and down 64x32, two
+# norms of 64; two layers, the final norm and the tied 320 x 64 embedding.
+MOE_LAYER = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 32 + 8 * 64 + 8 * (64 * 64 + 64 * 32) + 2 * 64
+# The `lora` step's adapters on the tiny SmolLM2 shape, rank 16, all-linear: per layer
+# A [16, in] and B [out, 16] of q (64 -> 64), k and v (64 -> 32), o (64 -> 64), gate and up
+# (64 -> 128) and down (128 -> 64).
+LORA_LAYER = 16 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
+
+
+def test_lora_and_moe_steps_serve_the_trainers_logprobs(tmp_path):
+    done, results = run_check(tmp_path, "lora", "moe")
+    steps = rows(results)
+    assert [(s["name"], s["shape"]) for s in results["steps"]][2:] == [
+        ("lora", "smollm2-135m"), ("moe", "qwen3-moe")], done.stdout[-3000:]
+    assert all(s["status"] == "passed" for s in results["steps"]), done.stdout[-3000:]
+    lora = steps[("lora", "smollm2-135m")]["metrics"]
+    assert lora["adapter_tensors"] == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+    assert lora["adapter_tensor_bytes"] == 2 * 2 * LORA_LAYER  # bf16, 2 layers
+    assert lora["full_bytes"] == 2 * (320 * 64 + TINY_PARAMS["smollm2-135m"])
+    assert lora["served_version"] == 1 and lora["logprob_tokens"] == 4 * 8
+    assert lora["logprob_gap_max"] < 0.05  # bf16 on both sides, as the full publish
+    moe = steps[("moe", "qwen3-moe")]["metrics"]
+    assert moe["params"] == 2 * MOE_LAYER + 64 + 320 * 64
+    assert moe["logprob_tokens"] == 4 * 8
+    assert moe["replay_gap_max"] < 0.05  # bf16 trainer on the engine's own routes
+    assert moe["router_aux_loss"] > 0 and moe["grad_norm"] > 0
+    assert moe["logprob_change_max"] > 1e-3  # the step did train
+    table = (tmp_path / "table.md").read_text()
+    assert "## LoRA (all-linear" in table and "## Qwen3-MoE step" in table
+    assert done.returncode == 0

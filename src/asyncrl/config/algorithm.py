@@ -103,8 +103,10 @@ class ActorConfig:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights fp32
     # The trainer's mesh, AReaL's per-engine spelling: "fsdp:d<M>t<S>", M data-parallel
     # groups of S ranks that split each layer (tensor parallel; trainer/parallel.py), M x S
-    # ranks in all. The training part of allocation_mode, which may only repeat it; null:
-    # from allocation_mode, else one rank (filled in when loaded).
+    # ranks in all; or "fsdp:d<M>e<E>", M x E ranks, each of E holding 1/E of every MoE
+    # layer's experts (expert parallel; trainer/experts.py). The training part of
+    # allocation_mode, which may only repeat it; null: from allocation_mode, else one rank
+    # (filled in when loaded).
     backend: Optional[str] = None
     # Recompute activations in the backward pass instead of keeping them (HF gradient
     # checkpointing, non-reentrant): less memory, more compute.

@@ -2,12 +2,18 @@
 trainer ranks in which mesh, and whether servers and ranks share GPUs.
 
 Two spellings, which AReaL both accepts:
-- `allocation_mode: <backend>:d<N>[t<T>]<op>[fsdp:]d<M>[t<S>]`, e.g. `vllm:d2+fsdp:d1`,
-  `sglang:d2t4+fsdp:d2t2`, `local:d1|fsdp:d1`;
-- per engine, `rollout.backend: <backend>:d<N>[t<T>]` and `actor.backend: fsdp:d<M>[t<S>]`.
+- `allocation_mode: <backend>:d<N>[t<T>][e<F>]<op>[fsdp:]d<M>[t<S>|e<E>]`, e.g.
+  `vllm:d2+fsdp:d1`, `sglang:d2t4+fsdp:d2t2`, `local:d1|fsdp:d1`, `vllm:d1t2e2+fsdp:d1e2`;
+- per engine, `rollout.backend: <backend>:d<N>[t<T>][e<F>]` and
+  `actor.backend: fsdp:d<M>[t<S>|e<E>]`.
 N inference servers of T GPUs each (tensor parallel inside a server: vLLM's
---tensor-parallel-size, SGLang's --tp-size); M x S trainer ranks in a (data, tensor) mesh:
-S ranks split each layer's matmuls (`trainer/parallel.py`), M such groups split the batch.
+--tensor-parallel-size, SGLang's --tp-size); F > 1 splits a Mixture-of-Experts model's
+experts over F of those T GPUs (vLLM's --enable-expert-parallel, whose expert group is the
+server's T workers, so F = T there; SGLang's --ep-size F, F dividing T). Trainer ranks:
+M x S in a (data, tensor) mesh, S ranks splitting each layer's matmuls
+(`trainer/parallel.py`) and M such groups splitting the batch; or M x E in a (data, expert)
+mesh, every rank taking its own rows and each of E ranks holding 1/E of every MoE layer's
+experts (`trainer/experts.py`). Tensor and expert parallel training do not combine (t or e).
 The dimensions may come in any order (`t2d4` is `d4t2`); a missing one is 1.
 The operator is AReaL's:
 - `+` separate GPUs: the servers take N x T GPUs and the trainer ranks M x S others;
@@ -23,9 +29,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 BACKENDS = ("local", "vllm", "sglang")
-_DIMS = re.compile(r"^(?:[dtp]\d+)+$")
+_DIMS = re.compile(r"^(?:[dtpe]\d+)+$")
 _FORM = "'<backend>:d<N>+fsdp:d<M>' (separate GPUs) or '<backend>:d<N>|fsdp:d<N>' (shared)"
 
 
@@ -33,10 +40,12 @@ _FORM = "'<backend>:d<N>+fsdp:d<M>' (separate GPUs) or '<backend>:d<N>|fsdp:d<N>
 class Allocation:
     backend: str
     n_servers: int
-    trainer_world_size: int  # every trainer rank: data x tensor
+    trainer_world_size: int  # every trainer rank: data x tensor x expert
     colocated: bool = False  # `|`: servers and trainer ranks on the same GPUs
     server_tensor_size: int = 1  # GPUs (tensor-parallel workers) of one server
     trainer_tensor_size: int = 1  # trainer ranks that split each layer
+    server_expert_size: int = 1  # GPUs of one server that split the experts
+    trainer_expert_size: int = 1  # trainer ranks that split the experts
 
     @property
     def n_gpus(self) -> int:
@@ -53,17 +62,21 @@ class Allocation:
     @property
     def trainer_data_size(self) -> int:
         """Data-parallel groups of trainer ranks (the d of the training part)."""
-        return self.trainer_world_size // self.trainer_tensor_size
+        return self.trainer_world_size // (self.trainer_tensor_size * self.trainer_expert_size)
 
     @property
     def rollout_part(self) -> str:
-        """The inference part, canonical: `vllm:d2` or `vllm:d2t4`."""
-        return f"{self.backend}:{_spell(self.n_servers, self.server_tensor_size)}"
+        """The inference part, canonical: `vllm:d2`, `vllm:d2t4` or `vllm:d1t2e2`."""
+        layout = _spell(self.n_servers, self.server_tensor_size, self.server_expert_size)
+        return f"{self.backend}:{layout}"
 
     @property
     def train_part(self) -> str:
-        """The training part, canonical: `fsdp:d2` or `fsdp:d2t2` (actor.backend's form)."""
-        return f"fsdp:{_spell(self.trainer_data_size, self.trainer_tensor_size)}"
+        """The training part, canonical: `fsdp:d2`, `fsdp:d2t2` or `fsdp:d2e2` (actor.backend's
+        form)."""
+        layout = _spell(self.trainer_data_size, self.trainer_tensor_size,
+                        self.trainer_expert_size)
+        return f"fsdp:{layout}"
 
     @property
     def mode(self) -> str:
@@ -71,21 +84,21 @@ class Allocation:
         return f"{self.rollout_part}{'|' if self.colocated else '+'}{self.train_part}"
 
 
-def _spell(d: int, t: int) -> str:
-    return f"d{d}" + (f"t{t}" if t > 1 else "")
+def _spell(d: int, t: int, e: int = 1) -> str:
+    return f"d{d}" + (f"t{t}" if t > 1 else "") + (f"e{e}" if e > 1 else "")
 
 
 def _dims(text: str, where: str, example: str) -> dict[str, int]:
     """{'d': N, 't': T, 'p': P} of e.g. "d2t4" (missing ones 1); ValueError naming `where`."""
     if not _DIMS.match(text):
         raise ValueError(f"{where}: {text!r} is not a layout like {example!r} (d<N> data "
-                         "parallel, optionally t<T> tensor parallel)")
-    found = re.findall(r"([dtp])(\d+)", text)
+                         "parallel, optionally t<T> tensor and e<E> expert parallel)")
+    found = re.findall(r"([dtpe])(\d+)", text)
     letters = [letter for letter, _ in found]
     for letter in set(letters):
         if letters.count(letter) > 1:
             raise ValueError(f"{where}: {text!r} gives {letter} more than once")
-    dims = {"d": 1, "t": 1, "p": 1} | {letter: int(n) for letter, n in found}
+    dims = {"d": 1, "t": 1, "p": 1, "e": 1} | {letter: int(n) for letter, n in found}
     if "d" not in letters:
         raise ValueError(f"{where}: {text!r} has no d<N> (how many data-parallel copies); "
                          f"e.g. {example!r}")
@@ -98,34 +111,66 @@ def _dims(text: str, where: str, example: str) -> dict[str, int]:
     return dims
 
 
-def parse_rollout_backend(text: str, key: str = "rollout.backend") -> tuple[str, int | None, int]:
-    """(backend, servers or None, tensor size) of "vllm" or "vllm:d2t4"; ValueError naming
-    `key`."""
+class RolloutLayout(NamedTuple):
+    backend: str
+    servers: int | None  # None: not given (rollout.n_servers or 1)
+    tensor: int = 1
+    expert: int = 1
+
+
+class TrainLayout(NamedTuple):
+    data: int
+    tensor: int = 1
+    expert: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.tensor * self.expert
+
+
+def parse_rollout_backend(text: str, key: str = "rollout.backend") -> RolloutLayout:
+    """(backend, servers or None, tensor size, expert size) of "vllm", "vllm:d2t4" or
+    "vllm:d1t2e2"; ValueError naming `key`."""
     return _rollout(text, f"{key}={text!r}")
 
 
-def parse_train_backend(text: str, key: str = "actor.backend") -> tuple[int, int]:
-    """(data size, tensor size) of "fsdp:d2t2" (or "d2t2"); ValueError naming `key`."""
+def parse_train_backend(text: str, key: str = "actor.backend") -> TrainLayout:
+    """(data, tensor, expert size) of "fsdp:d2t2", "fsdp:d2e2" (or "d2t2"); ValueError
+    naming `key`."""
     return _train(text, f"{key}={text!r}")
 
 
-def _rollout(text: str, where: str) -> tuple[str, int | None, int]:
+def _rollout(text: str, where: str) -> RolloutLayout:
     name, _, layout = text.replace(" ", "").partition(":")
     if name not in BACKENDS:
         raise ValueError(f"{where}: backend {name!r} is not one of {list(BACKENDS)}")
     if not layout:
-        return name, None, 1
+        return RolloutLayout(name, None)
     dims = _dims(layout, where, "d2t4")
-    return name, dims["d"], dims["t"]
+    t, e = dims["t"], dims["e"]
+    if e > 1 and name == "local":
+        raise ValueError(f"{where}: our local engine runs a Mixture-of-Experts model in one "
+                         f"process; e{e} (expert parallel) is for vllm or sglang, use e1")
+    if e > 1 and name == "vllm" and e != t:
+        raise ValueError(f"{where}: vLLM's expert parallelism splits the experts over all "
+                         f"the server's t{t} tensor-parallel GPUs; use e{t} (or e1)")
+    if t % e:
+        raise ValueError(f"{where}: e{e} GPUs split the experts among the server's t{t} "
+                         "GPUs, so e must divide t (SGLang's --ep-size within --tp-size)")
+    return RolloutLayout(name, dims["d"], t, e)
 
 
-def _train(text: str, where: str) -> tuple[int, int]:
+def _train(text: str, where: str) -> TrainLayout:
     engine, _, layout = text.replace(" ", "").rpartition(":")
     if engine not in ("", "fsdp"):
         raise ValueError(f"{where}: training engine {engine!r} is not supported; use fsdp, "
                          "e.g. 'fsdp:d2t2'")
     dims = _dims(layout, where, "fsdp:d2t2")
-    return dims["d"], dims["t"]
+    if dims["t"] > 1 and dims["e"] > 1:
+        raise ValueError(f"{where}: tensor (t{dims['t']}) and expert (e{dims['e']}) parallel "
+                         "training together are not supported; use one of them, e.g. "
+                         f"'fsdp:d{dims['d']}e{dims['e']}' or 'fsdp:d{dims['d']}t{dims['t']}'")
+    return TrainLayout(dims["d"], dims["t"], dims["e"])
 
 
 def parse_allocation_mode(mode: str) -> Allocation:
@@ -142,14 +187,15 @@ def parse_allocation_mode(mode: str) -> Allocation:
         raise ValueError(f"allocation_mode {mode!r}: inference part {gen!r} is not "
                          f"'<backend>:d<N>' with backend one of {list(BACKENDS)}")
     where = f"allocation_mode {mode!r}"
-    backend, n_servers, server_tp = _rollout(gen, f"{where}: inference part {gen!r}")
-    data, tensor = _train(train, f"{where}: training part {train!r}")
-    alloc = Allocation(backend, n_servers or 1, data * tensor, colocated, server_tp, tensor)
+    backend, n_servers, server_tp, server_ep = _rollout(gen, f"{where}: inference part {gen!r}")
+    trainer = _train(train, f"{where}: training part {train!r}")
+    alloc = Allocation(backend, n_servers or 1, trainer.world_size, colocated, server_tp,
+                       trainer.tensor, server_ep, trainer.expert)
     if colocated and alloc.server_gpus != alloc.trainer_world_size:
         raise ValueError(
             f"{where}: '|' puts the servers and the trainer ranks on the same GPUs, so both "
             f"sides need as many (here {alloc.server_gpus} for the servers and "
             f"{alloc.trainer_world_size} for the ranks); e.g. "
-            f"'{backend}:{_spell(alloc.trainer_world_size // server_tp, server_tp)}|"
+            f"'{backend}:{_spell(alloc.trainer_world_size // server_tp, server_tp, server_ep)}|"
             f"{alloc.train_part}', or '+' for separate GPUs")
     return alloc

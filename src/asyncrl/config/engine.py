@@ -86,7 +86,8 @@ class TrainEngineSpec:
     router_aux_loss_coef: float = 0.0
     routing_replay: bool = False
     # The trainer mesh, "fsdp:d<M>t<S>" (actor.backend): M data-parallel groups of S ranks
-    # that split each layer (trainer/parallel.py). null: data parallel over every rank.
+    # that split each layer (trainer/parallel.py); or "fsdp:d<M>e<E>", the experts split
+    # over E ranks (trainer/experts.py). null: data parallel over every rank.
     backend: Optional[str] = None
     # Where the rank computes. Not a key of any section: the trainer that builds the spec
     # sets it from cluster.n_gpus_per_node (`ClusterConfig.device`), never from the host.

@@ -172,8 +172,10 @@ class RolloutConfig:
     # The inference servers: "local" (ours), "vllm" or "sglang" (pip install asyncrl[vllm]
     # / sglang), optionally with AReaL's layout: "vllm:d<N>t<T>" is N servers of T GPUs
     # each (tensor parallel: vLLM's --tensor-parallel-size, SGLang's --tp-size; not our
-    # engine). null: from allocation_mode, else "local". Set it and allocation_mode only if
-    # they agree. Once loaded it holds the name alone (the layout: allocation_mode).
+    # engine); "sglang:d<N>t<T>e<E>" splits an MoE model's experts over E of them (SGLang's
+    # --ep-size; vLLM's --enable-expert-parallel, E = T). null: from allocation_mode, else
+    # "local". Set it and allocation_mode only if they agree. Once loaded it holds the name
+    # alone (the layout: allocation_mode).
     backend: Optional[str] = None
     n_servers: Optional[int] = None  # null: from allocation_mode or backend's d<N>, else 1
     request_timeout: float = 3600.0  # seconds for one generation request
@@ -480,7 +482,8 @@ class ExperimentConfig:
     total_train_steps: Optional[int] = None  # stop earlier than the epochs allow
     tokenizer_path: str = "${actor.path}"  # the tokenizer of prompts and completions
     # AReaL's "<backend>:d<N>t<T>+fsdp:d<M>t<S>", e.g. "vllm:d2+fsdp:d1": N servers of T
-    # GPUs each, M x S trainer ranks (M data x S tensor parallel; t1 may be left out). It
+    # GPUs each, M x S trainer ranks (M data x S tensor parallel; t1 may be left out); e<E>
+    # on either side splits an MoE model's experts (fsdp:d<M>e<E>: M x E ranks). It
     # sets rollout.backend and rollout.n_servers and actor.backend, which may then only
     # repeat it. With "|" instead of "+" ("local:d1|fsdp:d1") servers and trainer ranks
     # share the same GPUs: one GPU runs the whole run (config/allocation.py,
@@ -645,7 +648,7 @@ class ExperimentConfig:
             hint = (f"; to have servers and trainer ranks share {gpus} GPU(s), use "
                     f"'{alloc.backend}:d{min(gpus, world)}|fsdp:d{min(gpus, world)}'"
                     if alloc.server_gpus + world > gpus and alloc.server_tensor_size == 1
-                    and alloc.trainer_tensor_size == 1 else "")
+                    and alloc.trainer_tensor_size == 1 and alloc.trainer_expert_size == 1 else "")
             _check(alloc.server_gpus + world <= gpus,
                    f"allocation_mode={mode!r} needs {alloc.server_gpus} inference + "
                    f"{world} trainer GPUs but cluster.n_nodes x "
@@ -656,8 +659,9 @@ class ExperimentConfig:
         None when none of them gives one. A key that contradicts another is an error naming
         both."""
         rollout, actor = self.rollout, self.actor
-        backend, servers, server_tp = (parse_rollout_backend(rollout.backend)
-                                       if rollout.backend is not None else (None, None, 1))
+        backend, servers, server_tp, server_ep = (
+            parse_rollout_backend(rollout.backend) if rollout.backend is not None
+            else (None, None, 1, 1))
         _check(servers is None or rollout.n_servers in (None, servers),
                f"rollout.n_servers={rollout.n_servers} contradicts rollout.backend="
                f"{rollout.backend!r} (which means {servers} servers); drop rollout.n_servers "
@@ -667,9 +671,10 @@ class ExperimentConfig:
         if self.allocation_mode is None:
             if train is None and server_tp == 1 and ":" not in (rollout.backend or ""):
                 return None  # no layout given: the defaults
-            data, tensor = train or (1, 1)
+            data, tensor, expert = train or (1, 1, 1)
             return parse_allocation_mode(
-                f"{backend or 'local'}:d{servers or 1}t{server_tp}+fsdp:d{data}t{tensor}")
+                f"{backend or 'local'}:d{servers or 1}t{server_tp}e{server_ep}"
+                f"+fsdp:d{data}t{tensor}e{expert}")
         alloc = parse_allocation_mode(self.allocation_mode)
         mode = self.allocation_mode
         for key, have, want in (("backend", backend, alloc.backend),
@@ -678,10 +683,12 @@ class ExperimentConfig:
             _check(have is None or have == want,
                    f"rollout.{key}={shown} contradicts allocation_mode={mode!r} "
                    f"(which means {want}); drop rollout.{key} or make them agree")
-        _check(":" not in (rollout.backend or "") or server_tp == alloc.server_tensor_size,
+        _check(":" not in (rollout.backend or "")
+               or (server_tp, server_ep) == (alloc.server_tensor_size, alloc.server_expert_size),
                f"rollout.backend={rollout.backend!r} contradicts allocation_mode={mode!r} "
                f"(inference part {alloc.rollout_part}); drop one or make them agree")
-        _check(train is None or train == (alloc.trainer_data_size, alloc.trainer_tensor_size),
+        _check(train is None or train == (alloc.trainer_data_size, alloc.trainer_tensor_size,
+                                          alloc.trainer_expert_size),
                f"actor.backend={actor.backend!r} contradicts allocation_mode={mode!r} "
                f"(training part {alloc.train_part}); drop one or make them agree")
         return alloc
@@ -772,3 +779,10 @@ class ExperimentConfig:
         """GPUs of each inference server (allocation_mode's t of the inference part)."""
         alloc = self.allocation
         return 1 if alloc is None else alloc.server_tensor_size
+
+    @property
+    def server_expert_size(self) -> int:
+        """GPUs of each inference server that split the experts (the e of the inference
+        part)."""
+        alloc = self.allocation
+        return 1 if alloc is None else alloc.server_expert_size

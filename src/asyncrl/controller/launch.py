@@ -162,6 +162,7 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         cache_dir=str(paths.logs / "vllm-cache"),
         gpu_memory_fraction=cfg.rollout.gpu_memory_fraction if device == "cuda" else None,
         tensor_parallel_size=cfg.server_tensor_size,
+        expert_parallel_size=cfg.server_expert_size,
         lora=(LoraServing(cfg.actor.lora_rank, tuple(cfg.actor.target_modules))
               if cfg.actor.use_lora else None))
     if cfg.rollout.backend == "vllm" and cfg.actor.weight_update_mode == "ipc":

@@ -119,7 +119,7 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
                    n_servers: int, seed: int, device: str = "cpu", cpus: int = 1,
                    extra_args: Sequence[str] = (), cache_dir: str | None = None,
                    gpu_memory_fraction: float | None = None,
-                   tensor_parallel_size: int = 1,
+                   tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                    lora: LoraServing | None = None) -> WorkerSpec:
     """`n_servers` `backend` servers as the "inference" role; server i samples with seed + i.
 
@@ -128,6 +128,9 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
     its GPU's memory each server may take (`rollout.gpu_memory_fraction`; GPU servers only).
     `tensor_parallel_size`: the GPUs each server splits its model over (vLLM and SGLang on
     GPUs; the t of `rollout.backend: vllm:d<N>t<T>`); with "cuda" each server gets that many.
+    `expert_parallel_size`: of those GPUs, how many split a Mixture-of-Experts model's
+    experts (the e of `sglang:d<N>t<T>e<E>`): vLLM's --enable-expert-parallel (its expert
+    group is all the server's tensor-parallel workers, so E must be T), SGLang's --ep-size E.
     `lora`: the servers load LoRA adapters of that shape (actor.use_lora).
     """
     if backend == "local":
@@ -153,6 +156,8 @@ def inference_spec(backend: str, model_path: str, engine_cfg: LocalEngineConfig,
     if tensor_parallel_size != 1:
         _check_tensor_parallel(backend, device, tensor_parallel_size)
         extra += [TENSOR_PARALLEL_FLAGS[backend], str(tensor_parallel_size)]
+    if expert_parallel_size != 1:
+        extra += _expert_parallel_args(backend, tensor_parallel_size, expert_parallel_size)
     argv = server_argv(backend, model_path, "{host}", "{port}", dtype=engine_cfg.dtype,
                        device=device)
     env = server_env(backend, "{host}", device)
@@ -175,6 +180,26 @@ def _check(backend: str, device: str) -> None:
         raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)}")
     if device != "cpu" and device != "cuda" and not device.startswith("cuda:"):
         raise ValueError(f"device {device!r} is not 'cpu', 'cuda' or 'cuda:<ids>'")
+
+
+def _expert_parallel_args(backend: str, tensor: int, expert: int) -> list[str]:
+    """vLLM's or SGLang's flags for `expert` of a server's `tensor` GPUs splitting the
+    experts; ValueError for a size the backend cannot take."""
+    if expert < 1 or tensor % expert:
+        raise ValueError(f"expert_parallel_size={expert} must be >= 1 and divide "
+                         f"tensor_parallel_size={tensor}: the experts are split among the "
+                         "server's GPUs")
+    if backend == "vllm":
+        if expert != tensor:
+            raise ValueError(f"vLLM splits the experts over all tensor_parallel_size={tensor} "
+                             f"GPUs of a server (--enable-expert-parallel), not "
+                             f"{expert}; use expert_parallel_size={tensor} or 1")
+        return ["--enable-expert-parallel"]
+    if backend == "sglang":
+        return ["--ep-size", str(expert)]
+    raise ValueError(f"expert parallel size {expert}: our {backend} engine runs a "
+                     "Mixture-of-Experts model in one process; use the vllm or sglang "
+                     "backend, or size 1")
 
 
 def _check_tensor_parallel(backend: str, device: str, size: int) -> None:

@@ -44,7 +44,7 @@ from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.trainer import checkpoint, lora, parallel
+from asyncrl.trainer import checkpoint, experts, lora, parallel
 from asyncrl.trainer.cpu import grad_ops, heap, precision
 from asyncrl.trainer.cpu.attention import NAME as TRIE_ATTENTION
 from asyncrl.trainer.cpu.attention import use_trie_attention
@@ -317,10 +317,13 @@ class FSDPTrainEngine:
         path = self._base_path = resolve_model_path(self.spec.path)
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
+        if self.layout.expert_parallel:
+            experts.check_model(hf_model, self.layout.expert)  # refused before any other set-up
         if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too
-            if self.layout.tensor_parallel:
-                raise ValueError("actor.use_lora=true with a tensor-parallel actor.backend is not "
-                                 "supported yet: use fsdp:d<N> (data parallel) with LoRA")
+            if self.layout.tensor_parallel or self.layout.expert_parallel:
+                raise ValueError(f"actor.use_lora=true with actor.backend={self.spec.backend!r} "
+                                 "(tensor or expert parallel) is not supported: use "
+                                 "fsdp:d<N> (data parallel) with LoRA")
             self.lora_config = lora.add_adapters(hf_model, self.spec)
         self._moe = MoeTraining(hf_model, aux_loss_coef=self.spec.router_aux_loss_coef,
                                 replay=self.spec.routing_replay,
@@ -376,14 +379,23 @@ class FSDPTrainEngine:
                 self._compute_weights = ComputeWeights(model, torch.bfloat16)
             return
         mesh = parallel.make_mesh(self.device.type, self.layout)
-        if self.layout.tensor_parallel:
-            parallel.apply_tensor_parallel(model.hf, mesh)
-            self._data_group, mesh = parallel.data_group(mesh, self.layout), mesh["dp"]
         if self.spec.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
         reshard = self.world_size > 1  # (cpu_paths().fsdp_on_one_rank: keep the gathered layer)
+        if self.layout.tensor_parallel:
+            parallel.apply_tensor_parallel(model.hf, mesh)
+            self._data_group, mesh = parallel.data_group(mesh, self.layout), mesh["dp"]
+        elif self.layout.expert_parallel:
+            # Experts: split over "ep", then sharded by FSDP2 over the "dp" ranks holding the
+            # same ones; the rest of the model over every rank (all take rows of their own).
+            experts.apply_expert_parallel(model.hf, mesh["ep"])
+            for module in model.hf.modules():
+                if experts.is_experts(module):
+                    fully_shard(module, mesh=mesh["dp"], mp_policy=mp,
+                                reshard_after_forward=reshard)
+            mesh = mesh["dp", "ep"]._flatten("world")  # every rank, one dimension
         for layer in model.hf.get_decoder().layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -420,7 +432,7 @@ class FSDPTrainEngine:
         """(rows, real) for this rank; a rank short of micro-batches repeats one, not real."""
         lengths = batch.seq_lens.tolist()
         spec = self.spec.mb_spec
-        plans = plan_micro_batches(lengths, spec.max_tokens_per_mb, self.layout.data,
+        plans = plan_micro_batches(lengths, spec.max_tokens_per_mb, self.layout.batch_groups,
                                    spec.granularity)
         mine = plans[self.layout.data_rank(self.rank)]
         n = max(len(p) for p in plans)
@@ -460,7 +472,7 @@ class FSDPTrainEngine:
                 if real:
                     out[torch.as_tensor(rows, device=self.device),
                         : per_token.shape[1]] = per_token
-        if self.layout.data > 1:  # each row is non-zero in exactly one data-parallel group
+        if self.layout.batch_groups > 1:  # each row is non-zero in exactly one group
             dist.all_reduce(out, group=self._data_group)
         return out.cpu()
 

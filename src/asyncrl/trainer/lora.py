@@ -5,6 +5,14 @@
 forward, its CPU paths and FSDP2 see the same modules, now with `base_layer` and
 `lora_A` / `lora_B` children. Only the adapters take gradients and reach the optimiser.
 
+On a Mixture-of-Experts model (Qwen3-MoE in transformers 5) the experts are one module of
+fused 3-D weights and the router a module of its own, neither an `nn.Linear`; PEFT's
+"all-linear" there also adapts those parameters (its `target_parameters`). Here
+"all-linear" is the decoder's linear layers alone, the attention projections, and naming
+the router or the experts is refused: the servers merge or serve adapters on linear
+layers, and an adapted router would route otherwise than the rollout that recorded the
+routes it replays.
+
 The KL reference under LoRA is the same model with the adapters switched off
 (`adapters_off`), not a second copy. What the engine saves and publishes are the adapters
 alone, in PEFT's folder format (`models/lora.py`): our engine merges it into its base,
@@ -44,6 +52,11 @@ def add_adapters(hf_model: nn.Module, spec: TrainEngineSpec) -> Any:
     peft = _peft()
     modules = list(spec.target_modules)
     target = "all-linear" if modules == ["all-linear"] else modules
+    if target == "all-linear" and _is_moe(hf_model):
+        target = linear_layer_names(hf_model)  # PEFT's all-linear, without its MoE weights
+    moe_names = sorted(set(modules) & _moe_module_names(hf_model))
+    if moe_names:
+        _refuse_moe(modules, moe_names)
     config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
                              target_modules=target, lora_dropout=0.0, bias="none")
     try:
@@ -52,6 +65,9 @@ def add_adapters(hf_model: nn.Module, spec: TrainEngineSpec) -> Any:
         raise ValueError(f"target_modules={modules}: {e}; name modules of this model "
                          "(e.g. q_proj, v_proj) or use [all-linear]") from None
     layers = adapter_layers(hf_model)
+    moe_parts = sorted(name for name, m in layers.items() if type(m).__name__ == "ParamWrapper")
+    if moe_parts:  # PEFT's target_parameters, which a module name may also bring in
+        _refuse_moe(modules, moe_parts)
     wrong = sorted({type(m).__name__ for m in layers.values()} - {"Linear"})
     head = hf_model.get_output_embeddings()
     if wrong or any(m is head for m in layers.values()):
@@ -62,6 +78,37 @@ def add_adapters(hf_model: nn.Module, spec: TrainEngineSpec) -> Any:
     for name, param in hf_model.named_parameters():
         param.requires_grad_(_factor(name) is not None)
     return config
+
+
+def _is_moe(hf_model: nn.Module) -> bool:
+    from asyncrl.trainer.experts import is_experts
+
+    return any(is_experts(m) for m in hf_model.modules())
+
+
+def _moe_module_names(hf_model: nn.Module) -> set[str]:
+    """The last path parts of the MoE routers and experts modules ("gate", "experts")."""
+    from asyncrl.trainer.experts import is_experts
+    from asyncrl.trainer.moe import is_router
+
+    return {name.rsplit(".", 1)[-1] for name, m in hf_model.named_modules()
+            if name and (is_router(m) or is_experts(m))}
+
+
+def _refuse_moe(modules: list[str], names: list[str]) -> None:
+    raise ValueError(f"target_modules={modules} adapts the MoE router or experts "
+                     f"({', '.join(names[:2])}): they take no adapters here (the servers "
+                     "adapt linear layers, and an adapted router would route otherwise than "
+                     "the rollout did); name attention projections (q_proj, k_proj, v_proj, "
+                     "o_proj) or use [all-linear]")
+
+
+def linear_layer_names(hf_model: nn.Module) -> list[str]:
+    """The names (last part of the path) of the decoder's `nn.Linear` layers, the output
+    projection left out."""
+    head = hf_model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in hf_model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not head})
 
 
 def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -47,43 +47,60 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 @dataclass(frozen=True)
 class Layout:
     """How the world's ranks are arranged: `data` groups of `tensor` ranks, rank r in data
-    group r // tensor (the (dp, tp) mesh's row-major order)."""
+    group r // tensor (the (dp, tp) mesh's row-major order); or `data` groups of `expert`
+    ranks (the (dp, ep) mesh, `trainer/experts.py`), every rank with rows of its own."""
 
     data: int
     tensor: int = 1
+    expert: int = 1
 
     @classmethod
     def of(cls, backend: str | None, world_size: int) -> Layout:
-        """The layout of `backend` ("fsdp:d<M>t<S>"; None: data parallel over the world)."""
+        """The layout of `backend` ("fsdp:d<M>t<S>" or "fsdp:d<M>e<E>"; None: data parallel
+        over the world)."""
         if backend is None:
             return cls(world_size)
-        data, tensor = parse_train_backend(backend)
-        if data * tensor != world_size:
-            raise ValueError(f"actor.backend={backend!r} asks for {data} x {tensor} = "
-                             f"{data * tensor} trainer ranks but this world has {world_size} "
-                             "(WORLD_SIZE); start that many ranks or change actor.backend")
-        return cls(data, tensor)
+        layout = parse_train_backend(backend)
+        if layout.world_size != world_size:
+            sizes = " x ".join(str(n) for n in (layout.data, *(n for n in layout[1:] if n > 1)))
+            raise ValueError(f"actor.backend={backend!r} asks for {sizes} = "
+                             f"{layout.world_size} trainer ranks but this world has "
+                             f"{world_size} (WORLD_SIZE); start that many ranks or change "
+                             "actor.backend")
+        return cls(*layout)
 
     @property
     def tensor_parallel(self) -> bool:
         return self.tensor > 1
 
+    @property
+    def expert_parallel(self) -> bool:
+        return self.expert > 1
+
+    @property
+    def batch_groups(self) -> int:
+        """How many groups of ranks take rows of their own (a tensor group shares its rows)."""
+        return self.data * self.expert
+
     def data_rank(self, rank: int) -> int:
-        """The data-parallel group of global rank `rank`."""
+        """The group of global rank `rank` among the `batch_groups`."""
         return rank // self.tensor
 
 
 def make_mesh(device_type: str, layout: Layout) -> DeviceMesh:
-    """The ("dp", "tp") mesh of `layout`, or a 1-D ("dp",) one without tensor parallelism."""
-    if not layout.tensor_parallel:
-        return init_device_mesh(device_type, (layout.data,), mesh_dim_names=("dp",))
-    return init_device_mesh(device_type, (layout.data, layout.tensor),
-                            mesh_dim_names=("dp", "tp"))
+    """The ("dp", "tp") or ("dp", "ep") mesh of `layout`, else a 1-D ("dp",) one."""
+    if layout.tensor_parallel:
+        return init_device_mesh(device_type, (layout.data, layout.tensor),
+                                mesh_dim_names=("dp", "tp"))
+    if layout.expert_parallel:
+        return init_device_mesh(device_type, (layout.data, layout.expert),
+                                mesh_dim_names=("dp", "ep"))
+    return init_device_mesh(device_type, (layout.data,), mesh_dim_names=("dp",))
 
 
 def data_group(mesh: DeviceMesh | None, layout: Layout) -> Any:
-    """The process group of this rank's data-parallel peers (None: the default group, which
-    it is without tensor parallelism)."""
+    """The process group of the ranks whose rows together make the batch (None: the
+    default group, which it is unless tensor groups share rows)."""
     if mesh is None or not layout.tensor_parallel:
         return None
     return mesh["dp"].get_group()

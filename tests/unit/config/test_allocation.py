@@ -18,6 +18,10 @@ from asyncrl.config.allocation import Allocation, parse_allocation_mode
     ("sglang:t2d1+fsdp:t4d1", Allocation("sglang", 1, 4, False, 2, 4)),  # any order
     ("vllm:d1t2|fsdp:d1t2", Allocation("vllm", 1, 2, True, 2, 2)),  # the same 2 GPUs
     ("vllm:d2t2|fsdp:d4", Allocation("vllm", 2, 4, True, 2, 1)),
+    # d2 data groups of e2 expert ranks: 4 trainer ranks, each expert held by 2 of them
+    ("local:d1+fsdp:d2e2", Allocation("local", 1, 4, False, 1, 1, 1, 2)),
+    ("sglang:d1t4e2+fsdp:e2d1", Allocation("sglang", 1, 2, False, 4, 1, 2, 2)),
+    ("vllm:d2t2e2+fsdp:d1", Allocation("vllm", 2, 1, False, 2, 1, 2, 1)),
 ])
 def test_good_allocation_modes_parse(mode, expected):
     assert parse_allocation_mode(mode) == expected
@@ -36,6 +40,12 @@ def test_good_allocation_modes_parse(mode, expected):
     ("vllm:d2+megatron:d1", "training engine 'megatron' is not supported"),
     ("vllm:d2+fsdp:x1", "training part 'fsdp:x1'"),
     ("vllm:d0+fsdp:d1", "d must be >= 1"),
+    ("vllm:d2+fsdp:d1t2e2", "tensor \\(t2\\) and expert \\(e2\\) parallel training together "
+                            "are not supported; use one of them, e.g. 'fsdp:d1e2'"),
+    ("local:d1t1e2+fsdp:d1", "our local engine runs a Mixture-of-Experts model in one process"),
+    ("vllm:d1t4e2+fsdp:d1", "vLLM's expert parallelism splits the experts over all the "
+                            "server's t4 tensor-parallel GPUs; use e4"),
+    ("sglang:d1t4e3+fsdp:d1", "e must divide t"),
 ])
 def test_bad_allocation_modes_name_the_bad_part(mode, message):
     with pytest.raises(ValueError, match=message):
@@ -108,6 +118,23 @@ def test_per_engine_backends_set_the_same_layout_as_allocation_mode():
     cfg = _load("allocation_mode=vllm:d2t4+fsdp:d2t2", "rollout.backend=vllm:d2t4",
                 "actor.backend=fsdp:d2t2", "rollout.n_servers=2", *gpus)
     assert cfg.trainer_world_size == 4
+
+
+def test_expert_parallel_layouts_read_back_and_agree_between_spellings():
+    alloc = parse_allocation_mode("sglang:e2t4d1 + e2d2")
+    assert (alloc.mode, alloc.rollout_part, alloc.train_part) == (
+        "sglang:d1t4e2+fsdp:d2e2", "sglang:d1t4e2", "fsdp:d2e2")
+    assert parse_allocation_mode(alloc.mode) == alloc
+    # 4 server GPUs (the experts split over 2 of them) and 2 x 2 trainer ranks
+    assert (alloc.n_gpus, alloc.server_gpus, alloc.trainer_data_size) == (8, 4, 2)
+    gpus = ("cluster.n_gpus_per_node=8",)
+    split = _load("rollout.backend=sglang:d1t4e2", "actor.backend=fsdp:d2e2", *gpus)
+    assert (split.allocation_mode, split.trainer_world_size, split.server_expert_size) == (
+        "sglang:d1t4e2+fsdp:d2e2", 4, 2)
+    with pytest.raises(ConfigError, match="actor.backend='fsdp:d4' contradicts allocation_mode"):
+        _load("allocation_mode=sglang:d1t4e2+fsdp:d2e2", "actor.backend=fsdp:d4", *gpus)
+    with pytest.raises(ConfigError, match="rollout.backend='sglang:d1t4' contradicts"):
+        _load("allocation_mode=sglang:d1t4e2+fsdp:d2e2", "rollout.backend=sglang:d1t4", *gpus)
 
 
 @pytest.mark.parametrize("overrides, message", [

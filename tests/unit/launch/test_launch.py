@@ -99,6 +99,29 @@ def test_tensor_parallel_is_refused_for_our_engine_and_on_the_cpu():
                        tensor_parallel_size=2)
 
 
+def test_expert_parallel_servers_get_vllms_switch_or_sglangs_size():
+    argv = {}
+    for backend, t, e in (("vllm", 2, 2), ("sglang", 4, 2)):
+        spec = inference_spec(backend, "/m", LocalEngineConfig(), n_servers=1, seed=0,
+                              device="cuda", tensor_parallel_size=t, expert_parallel_size=e)
+        argv[backend] = spec.argv(0, {"host": "h", "port": "1", "cpus": "1"})
+        assert spec.gpus == t  # the experts are split among the server's own GPUs
+    vllm, sglang = argv["vllm"], argv["sglang"]
+    assert "--enable-expert-parallel" in vllm and "--ep-size" not in vllm
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "2"
+    assert sglang[sglang.index("--ep-size") + 1] == "2"
+    assert sglang[sglang.index("--tp-size") + 1] == "4"
+    assert "--enable-expert-parallel" not in sglang
+    with pytest.raises(ValueError, match="vLLM splits the experts over all "
+                                         "tensor_parallel_size=4 GPUs"):
+        inference_spec("vllm", "/m", LocalEngineConfig(), n_servers=1, seed=0, device="cuda",
+                       tensor_parallel_size=4, expert_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must be >= 1 and divide "
+                                         "tensor_parallel_size=4"):
+        inference_spec("sglang", "/m", LocalEngineConfig(), n_servers=1, seed=0,
+                       device="cuda", tensor_parallel_size=4, expert_parallel_size=3)
+
+
 def test_lora_servers_start_ready_to_load_adapters_of_the_runs_rank():
     from asyncrl.launch.commands import LoraServing
 
