@@ -505,17 +505,19 @@ def _trainer_levers(cfg: Any, shape: ModelShape, inputs: dict[str, Any],
             now = getattr(layout, {"d": "data", "t": "tensor", "e": "expert"}[letter])
             bigger = [n for n in valid if n > now]
             if bigger:
-                out.append(_smallest_that_fits(total, layout, letter, bigger, budget))
+                out.append(_smallest_that_fits(total, layout, letter, bigger, budget,
+                                               _mesh_key(cfg)))
     if not inputs["adapters"]:
         flat = TrainLayout(layout.data * layout.tensor, 1, layout.expert)
         adapters = shape.lora_params(actor.lora_rank, lora_targets)
         out.append((f"train LoRA adapters (actor.use_lora=true, lora_rank={actor.lora_rank}"
                     + (", target_modules=[q_proj,k_proj,v_proj,o_proj]"
                        if lora_targets != list(actor.target_modules) else "")
-                    + (f", actor.backend {flat.spelling}: LoRA is data parallel"
+                    + (f", {_mesh_key(cfg)(flat)}: LoRA is data parallel"
                        if layout.tensor > 1 else "") + ")",
-                    total(adapters=adapters, layout=flat,
-                          frozen=inputs["frozen"][1:] if actor.kl_ctl else inputs["frozen"])))
+                    total(adapters=adapters, layout=flat, frozen=inputs["frozen"][1:]
+                          if actor.kl_ctl and cfg.ref.path == actor.path  # the base is it
+                          else inputs["frozen"])))
     if not inputs["gradient_checkpointing"]:
         out.append(("actor.gradient_checkpointing=true", total(gradient_checkpointing=True)))
     tokens = inputs["tokens_per_mb"]
@@ -525,8 +527,18 @@ def _trainer_levers(cfg: Any, shape: ModelShape, inputs: dict[str, Any],
     return out
 
 
+def _mesh_key(cfg: Any) -> Any:
+    """How a trainer mesh is spelled in this config: allocation_mode's training part, or
+    actor.backend when there is no allocation_mode."""
+    alloc = cfg.allocation
+    if alloc is None:
+        return lambda layout: f"actor.backend {layout.spelling}"
+    op = "|" if alloc.colocated else "+"
+    return lambda layout: f"allocation_mode {alloc.rollout_part}{op}{layout.spelling}"
+
+
 def _smallest_that_fits(total: Any, layout: TrainLayout, letter: str, sizes: list[int],
-                        budget: int) -> tuple[str, int]:
+                        budget: int, key: Any) -> tuple[str, int]:
     """The first of `sizes` for dimension `letter` whose rank fits `budget` (else the
     largest), as (the change, the rank's bytes)."""
     field_name = {"d": "data", "t": "tensor", "e": "expert"}[letter]
@@ -537,7 +549,7 @@ def _smallest_that_fits(total: Any, layout: TrainLayout, letter: str, sizes: lis
             break
     what = {"d": "shard over more data groups", "t": "split layers over tensor ranks",
             "e": "split experts over expert ranks"}[letter]
-    return f"{what}: actor.backend {changed.spelling} ({changed.world} ranks)", bytes_
+    return f"{what}: {key(changed)} ({changed.world} ranks)", bytes_
 
 
 def _tensor_sizes(shape: ModelShape) -> list[int]:

@@ -103,7 +103,7 @@ def test_a_run_that_does_not_fit_says_which_keys_to_change(capsys):
     # 8.19B parameters on one rank: 16 bytes each of masters, gradients and AdamW
     assert plan.trainer["weights (fp32 master)"] == 4 * ModelShape.of("Qwen/Qwen3-8B").n_params
     assert not plan.fits
-    assert any("actor.backend fsdp:d8 (8 ranks)" in a for a in plan.advice)
+    assert any("allocation_mode vllm:d4+fsdp:d8 (8 ranks)" in a for a in plan.advice)
     assert any("actor.use_lora=true" in a for a in plan.advice)
     code = cli_main(["plan", DATA, "actor.path=Qwen/Qwen3-8B", "tokenizer_path=Qwen/Qwen3-8B",
                      "cluster.n_gpus_per_node=8", "allocation_mode=vllm:d4+fsdp:d1",
@@ -270,8 +270,8 @@ def test_advice_names_each_lever_with_the_rank_s_figure():
     shape = ModelShape.of("Qwen/Qwen3-8B")
     base = dict(device="cuda", tokens_per_mb=8192)
     for lever, kwargs in [
-        ("actor.backend fsdp:d8 (8 ranks)", dict(layout=TrainLayout(8))),
-        ("actor.backend fsdp:d1t4 (4 ranks)", dict(layout=TrainLayout(1, 4))),
+        ("allocation_mode vllm:d4+fsdp:d8 (8 ranks)", dict(layout=TrainLayout(8))),
+        ("allocation_mode vllm:d4+fsdp:d1t4 (4 ranks)", dict(layout=TrainLayout(1, 4))),
         ("actor.use_lora=true", dict(adapters=shape.lora_params(32))),
         ("actor.gradient_checkpointing=true", dict(gradient_checkpointing=True)),
         ("actor.mb_spec.max_tokens_per_mb=2048", dict(tokens_per_mb=2048)),
@@ -290,6 +290,6 @@ def test_an_moe_run_is_advised_expert_parallelism_not_tensor():
             "cluster.n_gpus_per_node=8", "allocation_mode=vllm:d2t2+fsdp:d4"]
     plan = plan_run(load_config(None, args), device_bytes=80 * GiB)
     advice = "\n".join(plan.advice)
-    assert "split experts over expert ranks: actor.backend fsdp:d4e" in advice
+    assert "split experts over expert ranks: allocation_mode vllm:d2t2+fsdp:d4e" in advice
     assert "tensor ranks" not in advice
     assert "target_modules=[q_proj,k_proj,v_proj,o_proj]" in advice
