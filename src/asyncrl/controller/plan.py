@@ -19,10 +19,13 @@ parallel; the router whole), and FSDP2 shards what it holds over the M data grou
 - a frozen reference (KL) or teacher: a data-parallel engine over all ranks, its fp32
   weights sharded and its compute copy as above;
 - activations of one micro-batch of `max_tokens_per_mb` tokens: per decoder layer and token
-  what the backward keeps (the layer's input and normed input twice, q, k and v with k and v
-  repeated to every head, the attention output, gate, up, their product and its input to
-  down; the heads and the MLP's width divided by S), or with gradient checkpointing only
-  each layer's input plus one layer's worth; and the log-prob head's chunk of logits. An
+  what the backward keeps, or with gradient checkpointing only each layer's input plus one
+  layer's worth; and the log-prob head's chunk of logits. With the trainer's fused CPU
+  paths (one CPU device, no tensor parallelism) a layer keeps its input and normed input
+  twice, q, k and v with k and v repeated to every head, the attention output, gate, up,
+  their product and its input to down; HF's own modules (on a GPU, and under tensor
+  parallelism) keep more, as counted by saved-tensor hooks on HF's layers (see
+  `activation_bytes_per_token_layer`). The heads and the MLP's width are divided by S. An
   MoE layer keeps per routed copy of a token (top k of them) its gathered input, gate and
   up, their activation and product, and the expert's output, and per token the router's
   logits and probabilities.
@@ -219,19 +222,31 @@ class ModelShape:
         per_layer = sum(rank * (a + b) for name, (a, b) in zip(names, shapes) if name in chosen)
         return self.num_layers * per_layer
 
-    def activation_bytes_per_token_layer(self, dtype_bytes: int = 2, tensor: int = 1) -> int:
+    def activation_bytes_per_token_layer(self, dtype_bytes: int = 2, tensor: int = 1,
+                                         hf_modules: bool = False) -> int:
         """Bytes one token keeps for the backward of one decoder layer on one rank of a
-        tensor group of `tensor` ranks (see the module doc)."""
-        h, d, a = self.hidden_size, self.head_dim, self.num_heads
-        attention = 4 * a * d // tensor  # q, k and v at every head, the attention's output
+        tensor group of `tensor` ranks (see the module doc). `hf_modules`: the layer runs
+        HF's own norms, rotary embedding and MLP (on a GPU, and under tensor parallelism),
+        not the trainer's fused CPU paths (`trainer/cpu/`)."""
+        h, d, b = self.hidden_size, self.head_dim, dtype_bytes
+        heads, kv = self.num_heads * d, self.num_kv_heads * d
+        if hf_modules:
+            # Counted by saved-tensor hooks on HF's llama and qwen3 layers in bf16: 16 bytes
+            # per hidden unit (the norms keep their fp32 inputs), 4 per query and per KV
+            # head dimension (10 with Qwen3's fp32 q/k norms), 8 per MLP unit.
+            per_head = (5 if self.qk_norm else 2) * b
+            common = 8 * b * h + per_head * (heads + kv) // tensor
+        else:  # q, k and v at every head and the attention's output; the layer's input and
+            # normed input twice
+            common = b * (4 * h + 4 * heads // tensor)
         if not self.num_experts:
-            mlp = 4 * self.intermediate_size // tensor  # gate, up, act(gate) * up, down's input
-            return dtype_bytes * (4 * h + attention + mlp)
+            # gate, up, act(gate) * up and the down projection's input
+            return common + b * 4 * self.intermediate_size // tensor
         # Per routed copy of the token (HF's Qwen3MoeExperts): the gathered input, gate_up's
         # output, act(gate), the product, down's output (kept for the routing weight's
         # gradient); the router's logits and their fp32 softmax.
         routed = self.experts_per_token * (2 * h + 4 * self.moe_intermediate_size)
-        return dtype_bytes * (4 * h + attention + routed) + self.num_experts * (dtype_bytes + 4)
+        return common + b * routed + self.num_experts * (b + 4)
 
 
 @dataclass(frozen=True)
@@ -344,7 +359,9 @@ def plan_trainer(shape: ModelShape, *, device: str, tokens_per_mb: int,
     held = shape.rank_params(t, layout.expert)  # before FSDP shards it over the data groups
     trained = adapters or held
     compute = _compute_copy(shape, layout, device, compute_bytes, adapters)
-    per_layer = shape.activation_bytes_per_token_layer(compute_bytes, t) * tokens_per_mb
+    hf_modules = device != "cpu" or t > 1  # the fused CPU paths are off (trainer/engine.py)
+    per_layer = shape.activation_bytes_per_token_layer(compute_bytes, t,
+                                                       hf_modules) * tokens_per_mb
     if gradient_checkpointing:
         activations = shape.num_layers * tokens_per_mb * shape.hidden_size * compute_bytes
         activations += per_layer

@@ -66,14 +66,15 @@ def test_trainer_bytes_worked_out_by_hand():
     layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64
     p = 2 * layer + 1000 * 64 + 64
     assert shape.n_params == p
-    plan = plan_trainer(shape, layout=TrainLayout(2), device="cuda", tokens_per_mb=100)
+    # two CPU ranks: FSDP, and the trainer's fused CPU paths
+    plan = plan_trainer(shape, layout=TrainLayout(2), device="cpu", tokens_per_mb=100)
     assert plan["weights (fp32 master)"] == 4 * p // 2
     assert plan["gradients (fp32)"] == 4 * p // 2 and plan["optimiser (AdamW fp32)"] == 8 * p // 2
     assert plan["weights (compute copy)"] == 2 * (2 * layer + 1000 * 64 + 64)
     # 2 bytes x (4 x 64 + 4 x 4 x 16 + 4 x 128) per token and layer; the head's chunk: 3 x 4 B
     per_token_layer = 2 * (4 * 64 + 4 * 4 * 16 + 4 * 128)
     assert plan["activations"] == 2 * 100 * per_token_layer + 3 * 100 * 1000 * 4
-    checkpointed = plan_trainer(shape, layout=TrainLayout(2), device="cuda", tokens_per_mb=100,
+    checkpointed = plan_trainer(shape, layout=TrainLayout(2), device="cpu", tokens_per_mb=100,
                                 gradient_checkpointing=True)
     assert checkpointed["activations"] == (2 * 100 * 64 * 2 + 100 * per_token_layer
                                            + 3 * 100 * 1000 * 4)
@@ -192,8 +193,11 @@ def test_dense_rank_bytes_under_data_and_tensor_parallelism(layout, held):
     # FSDP gathers two of the rank's layers and the root group in bf16
     assert plan["weights (compute copy)"] == 2 * (2 * (SPLIT // layout.tensor + WHOLE)
                                                   + EMBEDDING)
-    # per token and layer 2 B x (4 x 64 + (4 x 4 x 16 + 4 x 128) / t); the head's chunk
-    per_token_layer = 2 * (4 * 64 + (256 + 512) // layout.tensor)
+    # HF's modules on a GPU, per token and layer: 16 B per hidden unit, 10 per query and KV
+    # head dimension (Qwen3's fp32 q/k norms), 8 per MLP unit, the last two split t ways;
+    # the head's chunk: 3 x 4 B per token and vocabulary entry
+    per_token_layer = 16 * 64 + (10 * (64 + 32) + 8 * 128) // layout.tensor
+    assert per_token_layer == {1: 3008, 2: 2016}[layout.tensor]
     assert plan["activations"] == 2 * 100 * per_token_layer + 3 * 100 * 1000 * 4
 
 
@@ -210,6 +214,38 @@ def test_moe_rank_bytes_under_expert_parallelism(layout, held):
     # per token and layer: 2 B x (4 x 64 + 4 x 4 x 16 + top 2 x (2 x 64 + 4 x 32)) and the
     # router's bf16 logits and fp32 probabilities over 4 experts
     assert shape.activation_bytes_per_token_layer(2) == 2 * (256 + 256 + 512) + 4 * 6 == 2072
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hf_layer_activations_match_what_autograd_saves(kind):
+    # an independent count: the bytes of every tensor autograd keeps for one HF decoder
+    # layer's backward (saved-tensor hooks, each storage once, the layer's input included)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    config = config_cls(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                        num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=64)
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).to(torch.bfloat16)
+    layer, tokens = model.model.layers[0], 256
+    x = torch.randn(1, tokens, 512, dtype=torch.bfloat16, requires_grad=True)
+    position = torch.arange(tokens)[None]
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        layer(x, position_embeddings=model.model.rotary_emb(x, position), attention_mask=None,
+              position_ids=position)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    counted = sum(n for ptr, n in saved.items() if ptr not in weights) / tokens
+    shape = ModelShape.from_config(config.to_dict())
+    planned = shape.activation_bytes_per_token_layer(2, hf_modules=True)
+    # what the plan leaves out: the rotary embedding's cos and sin, a few bytes per token
+    assert 0 <= counted - planned < 0.02 * counted
 
 
 def test_lora_adapters_equal_peft_s_and_train_alone_on_a_frozen_fp32_base():
