@@ -295,6 +295,11 @@ def test_a_tensor_parallel_server_holds_its_share_of_the_weights():
     # 8,190,735,360 bf16 weights over 4 GPUs: 4,095,367,680 bytes each
     assert plan.server["weights (bf16, 1/4 per GPU)"] == 4_095_367_680
     assert plan.server["KV cache and activations"] == int(0.9 * 80 * GiB) - 4_095_367_680
+    # AReaL's per-engine spelling of the same servers
+    per_engine = load_config(None, [DATA, "actor.path=Qwen/Qwen3-8B",
+                                    "tokenizer_path=Qwen/Qwen3-8B", "cluster.n_gpus_per_node=16",
+                                    "rollout.backend=vllm:d2t4", "actor.backend=fsdp:d4"])
+    assert plan_run(per_engine, device_bytes=80 * GiB).server == plan.server
 
 
 def test_advice_names_each_lever_with_the_rank_s_figure():
