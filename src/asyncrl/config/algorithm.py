@@ -135,7 +135,7 @@ class ActorConfig:
     # Mixture-of-Experts models: the trainer's forwards route every token to the experts the
     # inference server chose for it during the rollout (prompt tokens included) instead of
     # their own top k, so the trained log-probs score the sampled routing. Needs servers that
-    # record them (the local backend) and shared_prefix=false.
+    # record them (the local and sglang backends) and shared_prefix=false.
     routing_replay: bool = False
     # How each training batch is cut into forward/backward micro-batches.
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)

@@ -532,6 +532,7 @@ class ExperimentConfig:
         self._resolve_allocation()
         self._check_weight_update()
         self._check_lora()
+        self._check_routing_replay()
         _check(self.scheduler.trainer != "inline" or
                (self.trainer_world_size == 1 and self.scheduler.type == "local"),
                f"scheduler.trainer=inline runs one trainer rank in this process under the local "
@@ -761,6 +762,24 @@ class ExperimentConfig:
         _check(self.rollout.backend != "vllm" or self.actor.lora_rank <= 512,
                f"actor.lora_rank={self.actor.lora_rank}: vLLM serves LoRA ranks up to 512; "
                "choose a smaller rank or rollout.backend=local")
+
+    def _check_routing_replay(self) -> None:
+        """actor.routing_replay needs servers that return each token's experts: ours, or
+        SGLang's through the controller's own client (which asks for them)."""
+        if not self.actor.routing_replay:
+            return
+        backend = self.rollout.backend
+        _check(backend in ("local", "sglang"),
+               f"actor.routing_replay=true needs each token's routed experts from the servers; "
+               f"asyncrl reads them from the local and sglang backends, not {backend}; use "
+               "one of those or set actor.routing_replay=false")
+        router = self.scheduler.router
+        inline = router == "inline" or (router == "auto" and self.scheduler.type == "local")
+        _check(backend != "sglang" or inline,
+               f"actor.routing_replay=true with sglang: the controller's own client asks the "
+               f"servers for routed experts, and scheduler.router={router} (scheduler.type="
+               f"{self.scheduler.type}) routes through a router process; set "
+               "scheduler.router=inline")
 
     @property
     def allocation(self) -> Allocation | None:

@@ -151,6 +151,8 @@ def launch(cfg: ExperimentConfig, paths: RunPaths, scheduler: Scheduler) -> Serv
         # vLLM's receive side: its NCCL group, or its CUDA IPC importer
         backend = {"broadcast": "nccl", "ipc": "ipc"}[cfg.actor.weight_update_mode]
         extra += ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
+    if cfg.rollout.backend == "sglang" and cfg.actor.routing_replay:
+        extra += ["--enable-return-routed-experts"]  # each token's experts, for the trainer
     # Off the local machine the servers bind their node's address: they take a key.
     inference_key = None if local else secrets.token_hex(16)
     if inference_key is not None and cfg.rollout.backend != "local":

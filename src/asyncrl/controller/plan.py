@@ -5,30 +5,45 @@ server, the bytes of weights, gradients, optimiser state, activations and KV cac
 whether they fit the device (`--device-gb`, default: this machine's memory on a CPU run, 80
 GB on a GPU run) and, when they do not, which change would make them fit.
 
-What a trainer rank holds (FSDP2 over `d` ranks, every parameter sharded d ways):
+What a trainer rank holds. Its mesh (`actor.backend: fsdp:d<M>t<S>e<E>`) is M data groups
+of S x E ranks: a rank holds 1/S of each attention and dense MLP projection (tensor
+parallel; embeddings, norms and head whole), 1/E of each MoE layer's experts (expert
+parallel; the router whole), and FSDP2 shards what it holds over the M data groups:
 - fp32 master weights, 4 bytes per parameter, and per trained parameter an fp32 gradient (4)
-  and AdamW's two moments (8);
-- the compute copy: on a GPU, FSDP2 gathers one decoder layer at a time in bf16 and
-  prefetches the next (two layers, plus the embedding and head of the root group); on one
-  CPU rank, a persistent bf16 copy of every weight (`trainer/cpu/precision.py`);
-- a frozen reference (KL) or teacher: its weights in the compute dtype, sharded d ways;
+  and AdamW's two moments (8). With LoRA the frozen base stays in fp32 (the engine loads
+  every weight so) beside the adapters, and only the adapters have gradients and moments;
+- the compute copy: with FSDP2, the rank's share of one decoder layer gathered in bf16 and
+  the next prefetched (two layers, plus the embedding and head of the root group); on one
+  rank, which FSDP does not wrap, a persistent bf16 copy of every weight
+  (`trainer/cpu/precision.py`);
+- a frozen reference (KL) or teacher: a data-parallel engine over all ranks, its fp32
+  weights sharded and its compute copy as above;
 - activations of one micro-batch of `max_tokens_per_mb` tokens: per decoder layer and token
-  what the backward keeps (the layer's input and normed input twice, q, k and v with k and v
-  repeated to every head, the attention output, gate, up, their product and its input to
-  down), or with gradient checkpointing only each layer's input plus one layer's worth; and
-  the log-prob head's chunk of logits.
+  what the backward keeps, or with gradient checkpointing only each layer's input plus one
+  layer's worth; and the log-prob head's chunk of logits. With the trainer's fused CPU
+  paths (one CPU device, no tensor parallelism) a layer keeps its input and normed input
+  twice, q, k and v with k and v repeated to every head, the attention output, gate, up,
+  their product and its input to down; HF's own modules (on a GPU, and under tensor
+  parallelism) keep more, as counted by saved-tensor hooks on HF's layers (see
+  `activation_bytes_per_token_layer`). The heads and the MLP's width are divided by S. An
+  MoE layer keeps per routed copy of a token (top k of them) its gathered input, gate and
+  up, their activation and product, and the expert's output, and per token the router's
+  logits and probabilities.
 What an inference server holds (our engine): the weights twice (served and the spare a
 weight update fills), the KV cache of `max_batch_size` slots of `max_seq_len` positions, and
 one step's transient tensors (`inference/server/memory.py`). vLLM and SGLang take
-`rollout.gpu_memory_fraction` of their GPU whatever the model; the plan says so.
+`rollout.gpu_memory_fraction` of each GPU whatever the model, a server of T GPUs
+(`rollout.backend: vllm:d2t4`) holding 1/T of the weights on each; the plan says so.
 
 The figures are estimates: `benchmarks/memory_plan.py` measures peaks beside them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +61,7 @@ def _dense(h: int, layers: int, heads: int, kv: int, inter: int, tied: bool,
            model_type: str = "qwen3", vocab: int = 151936) -> dict[str, Any]:
     return dict(model_type=model_type, hidden_size=h, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=128 if
-                model_type == "qwen3" else h // heads, intermediate_size=inter,
+                model_type.startswith("qwen3") else h // heads, intermediate_size=inter,
                 vocab_size=vocab, tie_word_embeddings=tied)
 
 
@@ -123,25 +138,50 @@ class ModelShape:
             raise FileNotFoundError(f"{path} has no config.json: give the model's HF folder")
         return cls.from_config(json.loads(file.read_text()))
 
+    def attention_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of q, k, v and o."""
+        h, d = self.hidden_size, self.head_dim
+        return [(h, self.num_heads * d), (h, self.num_kv_heads * d),
+                (h, self.num_kv_heads * d), (self.num_heads * d, h)]
+
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of one decoder layer's projections (every expert's, for MoE)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = [(h, self.num_heads * d), (h, self.num_kv_heads * d), (h, self.num_kv_heads * d),
-                (self.num_heads * d, h)]
+        h = self.hidden_size
         if self.num_experts:
             i = self.moe_intermediate_size
-            return attn + [(h, i), (h, i), (i, h)] * self.num_experts + [(h, self.num_experts)]
+            return (self.attention_shapes() + [(h, i), (h, i), (i, h)] * self.num_experts
+                    + [(h, self.num_experts)])
         i = self.intermediate_size
-        return attn + [(h, i), (h, i), (i, h)]
+        return self.attention_shapes() + [(h, i), (h, i), (i, h)]
+
+    def layer_split_params(self) -> int:
+        """Parameters of one layer that tensor parallelism splits: the attention projections
+        (with their biases) and a dense MLP's (trainer/parallel.py's plan)."""
+        n = sum(a * b for a, b in self.attention_shapes())
+        if self.qkv_bias:
+            n += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if not self.num_experts:
+            n += 3 * self.hidden_size * self.intermediate_size
+        return n
+
+    def layer_expert_params(self) -> int:
+        """Parameters of one layer's experts (0 for a dense model)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def layer_whole_params(self) -> int:
+        """Parameters of one layer every rank of a tensor or expert group holds whole: the
+        two RMSNorms, Qwen3's q/k norms and an MoE router."""
+        n = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        return n + self.num_experts * self.hidden_size
 
     def layer_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        n = sum(a * b for a, b in self.linear_shapes()) + 2 * h  # + the two RMSNorms
-        if self.qkv_bias:
-            n += (self.num_heads + 2 * self.num_kv_heads) * d
-        if self.qk_norm:
-            n += 2 * d
-        return n
+        return self.layer_split_params() + self.layer_expert_params() + self.layer_whole_params()
+
+    def rank_layer_params(self, tensor: int = 1, expert: int = 1) -> int:
+        """One layer's parameters on one rank of a tensor group of `tensor` ranks and an
+        expert group of `expert` ranks (before FSDP shards them over the data groups)."""
+        return (self.layer_split_params() // tensor + self.layer_expert_params() // expert
+                + self.layer_whole_params())
 
     def embedding_params(self) -> int:
         """The input embedding and the head (one matrix when tied) and the final norm."""
@@ -152,29 +192,101 @@ class ModelShape:
     def n_params(self) -> int:
         return self.num_layers * self.layer_params() + self.embedding_params()
 
+    def rank_params(self, tensor: int = 1, expert: int = 1) -> int:
+        """The model's parameters on one rank of a (tensor, expert) group, before FSDP."""
+        return self.num_layers * self.rank_layer_params(tensor, expert) + self.embedding_params()
+
     def lora_params(self, rank: int, targets: list[str] | None = None) -> int:
         """Adapter parameters of rank `rank` on every projection of every layer (`targets`
-        None or ["all-linear"]) or on the named ones (q_proj, k_proj, v_proj, o_proj,
-        gate_proj, up_proj, down_proj)."""
-        mlp = ["gate_proj", "up_proj", "down_proj"]
-        names = ["q_proj", "k_proj", "v_proj", "o_proj"] + mlp * max(1, self.num_experts)
-        shapes = self.linear_shapes()[:len(names)]
-        chosen = set(names) if not targets or targets == ["all-linear"] else set(targets)
+        None or ["all-linear"]) or on the named ones (q_proj, k_proj, v_proj, o_proj, and of
+        a dense model gate_proj, up_proj, down_proj)."""
+        names = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        shapes = self.attention_shapes()
+        if not self.num_experts:
+            names += ["gate_proj", "up_proj", "down_proj"]
+            shapes = self.linear_shapes()
+        everything = not targets or targets == ["all-linear"]
+        if self.num_experts and everything:
+            # PEFT's all-linear also wraps the experts' 3-D weights and the router
+            # (ParamWrapper), and trainer/lora.py adapts linear layers only.
+            raise ValueError("actor.target_modules=[all-linear] on a Mixture-of-Experts model "
+                             "adapts its experts and router, which the trainer's LoRA does "
+                             "not; name the attention projections, e.g. "
+                             "actor.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+        chosen = set(names) if everything else set(targets)
         unknown = chosen - set(names)
         if unknown:
             raise ValueError(f"actor.target_modules {sorted(unknown)} are not projections of "
-                             f"this model; use some of {sorted(set(names))} or 'all-linear'")
+                             f"this model that take adapters; use some of {sorted(names)}"
+                             + ("" if self.num_experts else " or 'all-linear'"))
         per_layer = sum(rank * (a + b) for name, (a, b) in zip(names, shapes) if name in chosen)
         return self.num_layers * per_layer
 
-    def activation_bytes_per_token_layer(self, dtype_bytes: int = 2) -> int:
-        """Bytes one token keeps for the backward of one decoder layer (see the module doc)."""
-        h, d, a = self.hidden_size, self.head_dim, self.num_heads
-        i = (self.moe_intermediate_size * self.experts_per_token if self.num_experts
-             else self.intermediate_size)
-        attention = 4 * a * d  # q, k and v at every head, the attention's output
-        mlp = 4 * i  # gate, up, act(gate) * up, and the down projection's input
-        return dtype_bytes * (4 * h + attention + mlp)
+    def activation_bytes_per_token_layer(self, dtype_bytes: int = 2, tensor: int = 1,
+                                         hf_modules: bool = False) -> int:
+        """Bytes one token keeps for the backward of one decoder layer on one rank of a
+        tensor group of `tensor` ranks (see the module doc). `hf_modules`: the layer runs
+        HF's own norms, rotary embedding and MLP (on a GPU, and under tensor parallelism),
+        not the trainer's fused CPU paths (`trainer/cpu/`)."""
+        h, d, b = self.hidden_size, self.head_dim, dtype_bytes
+        heads, kv = self.num_heads * d, self.num_kv_heads * d
+        if hf_modules:
+            # Counted by saved-tensor hooks on HF's llama and qwen3 layers in bf16: 16 bytes
+            # per hidden unit (the norms keep their fp32 inputs), 4 per query and per KV
+            # head dimension (10 with Qwen3's fp32 q/k norms), 8 per MLP unit.
+            per_head = (5 if self.qk_norm else 2) * b
+            common = 8 * b * h + per_head * (heads + kv) // tensor
+        else:  # q, k and v at every head and the attention's output; the layer's input and
+            # normed input twice
+            common = b * (4 * h + 4 * heads // tensor)
+        if not self.num_experts:
+            # gate, up, act(gate) * up and the down projection's input
+            return common + b * 4 * self.intermediate_size // tensor
+        # Per routed copy of the token (HF's Qwen3MoeExperts): the gathered input, gate_up's
+        # output, act(gate), the product, down's output (kept for the routing weight's
+        # gradient); the router's logits and their fp32 softmax.
+        routed = self.experts_per_token * (2 * h + 4 * self.moe_intermediate_size)
+        return common + b * routed + self.num_experts * (b + 4)
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """The trainer's mesh: `data` FSDP groups, each of `tensor` x `expert` ranks; a rank
+    holds 1/tensor of each attention and dense MLP projection and 1/expert of each MoE
+    layer's experts, and FSDP shards what it holds over the data groups."""
+
+    data: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.data * self.tensor * self.expert
+
+    @property
+    def spelling(self) -> str:
+        return "fsdp:d{}{}{}".format(self.data, f"t{self.tensor}" if self.tensor > 1 else "",
+                                     f"e{self.expert}" if self.expert > 1 else "")
+
+
+_LAYOUT = re.compile(r"^(?:fsdp:)?((?:[dte]\d+)+)$")
+
+
+def train_layout(backend: str | None, world_size: int = 1) -> TrainLayout:
+    """The mesh of `actor.backend` ("fsdp:d2t2", "fsdp:d2e4"; e: expert parallel); None:
+    data parallel over `world_size` ranks."""
+    if backend is None:
+        return TrainLayout(world_size)
+    text = backend.replace(" ", "")
+    found = _LAYOUT.match(text)
+    letters = re.findall(r"([dte])(\d+)", found.group(1)) if found else []
+    if not found or len({k for k, _ in letters}) < len(letters) or any(
+            int(n) < 1 for _, n in letters):
+        raise ValueError(f"actor.backend={backend!r} is not a trainer mesh like 'fsdp:d2t2' or "
+                         "'fsdp:d2e4' (d<M> data, t<S> tensor, e<E> expert parallel, each once "
+                         "and >= 1)")
+    dims = {k: int(n) for k, n in letters}
+    return TrainLayout(dims.get("d", 1), dims.get("t", 1), dims.get("e", 1))
 
 
 @dataclass
@@ -217,7 +329,7 @@ class Plan:
         rows = [f"{'trainer rank':<28s}{'GiB':>10s}"]
         rows += [f"  {k:<26s}{v / GiB:>10.2f}" for k, v in self.trainer.items()]
         rows.append(f"  {'total':<26s}{self.trainer_total / GiB:>10.2f}")
-        rows.append(f"{'inference server':<28s}")
+        rows.append("inference server")
         rows += [f"  {k:<26s}{v / GiB:>10.2f}" for k, v in self.server.items()]
         if self.server:
             rows.append(f"  {'total':<26s}{self.server_total / GiB:>10.2f}")
@@ -235,41 +347,49 @@ class Plan:
         return "\n".join(rows)
 
 
-def plan_trainer(shape: ModelShape, *, world_size: int, device: str, tokens_per_mb: int,
-                 gradient_checkpointing: bool = False, compute_bytes: int = 2,
-                 trainable: int | None = None,
+def plan_trainer(shape: ModelShape, *, device: str, tokens_per_mb: int,
+                 layout: TrainLayout = TrainLayout(), gradient_checkpointing: bool = False,
+                 compute_bytes: int = 2, adapters: int = 0,
                  frozen: tuple[ModelShape, ...] = ()) -> dict[str, int]:
-    """Bytes of one trainer rank (see the module doc). `trainable`: trained parameters (all
-    when None; the adapters' count with LoRA); `frozen`: the reference and teacher models
-    held beside the actor, each as a train engine without gradients (a LoRA actor's
+    """Bytes of one trainer rank (see the module doc). `adapters`: LoRA's adapter parameters
+    (0: every parameter is trained); `frozen`: the reference and teacher models held beside
+    the actor, each a data-parallel engine over all ranks without gradients (a LoRA actor's
     reference is the base itself: none)."""
-    p, d = shape.n_params, world_size
-    trained = p if trainable is None else trainable
-    compute = _compute_copy(shape, d, device, compute_bytes)
-    per_layer = shape.activation_bytes_per_token_layer(compute_bytes) * tokens_per_mb
+    d, t = layout.data, layout.tensor
+    held = shape.rank_params(t, layout.expert)  # before FSDP shards it over the data groups
+    trained = adapters or held
+    compute = _compute_copy(shape, layout, device, compute_bytes, adapters)
+    hf_modules = device != "cpu" or t > 1  # the fused CPU paths are off (trainer/engine.py)
+    per_layer = shape.activation_bytes_per_token_layer(compute_bytes, t,
+                                                       hf_modules) * tokens_per_mb
     if gradient_checkpointing:
         activations = shape.num_layers * tokens_per_mb * shape.hidden_size * compute_bytes
         activations += per_layer
     else:
         activations = shape.num_layers * per_layer
     head = 3 * min(tokens_per_mb, HEAD_CHUNK_TOKENS) * shape.vocab_size * 4
-    plan = {"weights (fp32 master)": 4 * p // d, "weights (compute copy)": compute,
-            "gradients (fp32)": 4 * trained // d, "optimiser (AdamW fp32)": 8 * trained // d,
-            "activations": activations + head, "runtime": RUNTIME_BYTES[device]}
+    plan = {"weights (fp32 master)": 4 * (held + adapters) // d,
+            "weights (compute copy)": compute, "gradients (fp32)": 4 * trained // d,
+            "optimiser (AdamW fp32)": 8 * trained // d, "activations": activations + head,
+            "runtime": RUNTIME_BYTES[device]}
     if frozen:
+        world = TrainLayout(layout.world)
         plan["reference/teacher weights"] = sum(
-            4 * f.n_params // d + _compute_copy(f, d, device, compute_bytes) for f in frozen)
+            4 * f.n_params // world.data + _compute_copy(f, world, device, compute_bytes)
+            for f in frozen)
     return plan
 
 
-def _compute_copy(shape: ModelShape, world_size: int, device: str, compute_bytes: int) -> int:
+def _compute_copy(shape: ModelShape, layout: TrainLayout, device: str, compute_bytes: int,
+                  adapters: int = 0) -> int:
     """The compute-dtype weights beside the fp32 masters at their peak."""
     if compute_bytes >= 4:
         return 0
-    if device == "cpu" and world_size == 1:  # a persistent copy of every weight
-        return compute_bytes * shape.n_params
-    # FSDP2: two layers in flight and the root group (embedding, head)
-    return compute_bytes * (2 * shape.layer_params() + shape.embedding_params())
+    if layout.world == 1:  # no FSDP on one rank: a persistent copy of every weight
+        return compute_bytes * (shape.n_params + adapters)
+    # FSDP2: two of the rank's layers in flight and the root group (embedding, head)
+    layer = shape.rank_layer_params(layout.tensor, layout.expert) + adapters // shape.num_layers
+    return compute_bytes * (2 * layer + shape.embedding_params())
 
 
 def plan_local_server(shape: ModelShape, *, max_batch_size: int, max_seq_len: int,
@@ -289,85 +409,174 @@ def plan_local_server(shape: ModelShape, *, max_batch_size: int, max_seq_len: in
 
 def plan_run(cfg: Any, shape: ModelShape | None = None, device_bytes: int | None = None) -> Plan:
     """The plan of `cfg` (an ExperimentConfig)."""
-    from asyncrl.config.allocation import parse_allocation_mode
-
     actor = cfg.actor
     shape = shape or ModelShape.of(actor.path)
     device = cfg.cluster.device
     if device_bytes is None:
         device_bytes = (80 * GiB if device == "cuda"
                         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    world = cfg.trainer_world_size
-    compute_bytes = 2 if actor.dtype == "bfloat16" else 4
-    use_lora = getattr(actor, "use_lora", False)
-    trainable = (shape.lora_params(actor.lora_rank, list(actor.target_modules))
-                 if use_lora else None)
-    frozen = []
-    if actor.kl_ctl != 0 and not use_lora:  # a LoRA actor's reference is its base
-        frozen.append(shape)
-    if actor.distill_coef != 0:
-        frozen.append(ModelShape.of(cfg.teacher.path))
     plan = Plan(device=device, device_bytes=device_bytes)
-    plan.trainer = plan_trainer(
-        shape, world_size=world, device=device, tokens_per_mb=actor.mb_spec.max_tokens_per_mb,
-        gradient_checkpointing=actor.gradient_checkpointing, compute_bytes=compute_bytes,
-        trainable=trainable, frozen=tuple(frozen))
-    backend = cfg.rollout.backend or "local"
-    colocated = bool(cfg.allocation_mode) and parse_allocation_mode(
-        cfg.allocation_mode).colocated
+    inputs = _trainer_inputs(cfg, shape)
+    plan.trainer = plan_trainer(shape, **inputs)
+    colocated = cfg.colocated
     if device == "cpu":  # every process of the run on this machine
-        plan.ranks_per_device, plan.servers_per_device = world, cfg.rollout.n_servers or 1
+        plan.ranks_per_device = inputs["layout"].world
+        plan.servers_per_device = cfg.rollout.n_servers or 1
     elif colocated:
         plan.servers_per_device = 1
+    backend = cfg.rollout.backend or "local"
     if backend == "local":
         plan.server = plan_local_server(
             shape, max_batch_size=cfg.local_engine.max_batch_size,
             max_seq_len=cfg.local_engine.max_seq_len, device=device,
             dtype_bytes=4 if cfg.local_engine.dtype == "float32" else 2)
     else:
-        fraction = cfg.rollout.gpu_memory_fraction or (0.5 if colocated else 0.9)
-        weights = 2 * shape.n_params
-        rest = int(fraction * device_bytes) - weights
-        plan.server = {"weights (bf16)": weights, "KV cache and activations": max(rest, 0)}
-        plan.server_note = (f"{backend} takes rollout.gpu_memory_fraction={fraction} of its "
-                            "device whatever the model; its KV cache gets what weights leave")
-        plan.server_weights_fit = rest > 0
-        if rest <= 0:
-            plan.server_note += ("; here the weights alone exceed it: raise "
-                                 "rollout.gpu_memory_fraction or give each server more GPUs")
+        _plan_gpu_server(plan, cfg, shape, backend, colocated)
     if not plan.fits:
-        plan.advice = _advice(cfg, shape, plan, use_lora)
+        plan.advice = _advice(cfg, shape, plan, inputs)
     return plan
 
 
-def _advice(cfg: Any, shape: ModelShape, plan: Plan, use_lora: bool) -> list[str]:
-    """The changes that make the run fit, largest saving first."""
-    t, out = plan.trainer, []
+def _trainer_inputs(cfg: Any, shape: ModelShape) -> dict[str, Any]:
+    """plan_trainer's arguments for the actor of `cfg`."""
+    actor = cfg.actor
+    adapters = (shape.lora_params(actor.lora_rank, list(actor.target_modules))
+                if actor.use_lora else 0)
+    frozen = []
+    if actor.kl_ctl != 0 and not (actor.use_lora and cfg.ref.path == actor.path):
+        frozen.append(ModelShape.of(cfg.ref.path) if cfg.ref.path != actor.path else shape)
+    if actor.distill_coef != 0:
+        frozen.append(ModelShape.of(cfg.teacher.path))
+    return dict(device=cfg.cluster.device, tokens_per_mb=actor.mb_spec.max_tokens_per_mb,
+                layout=train_layout(actor.backend, cfg.trainer_world_size),
+                gradient_checkpointing=actor.gradient_checkpointing,
+                compute_bytes=2 if actor.dtype == "bfloat16" else 4, adapters=adapters,
+                frozen=tuple(frozen))
+
+
+def _plan_gpu_server(plan: Plan, cfg: Any, shape: ModelShape, backend: str,
+                     colocated: bool) -> None:
+    """A vLLM or SGLang server's GPU: its weights split over its `t` GPUs, the rest of its
+    memory fraction for the KV cache."""
+    fraction = cfg.rollout.gpu_memory_fraction or (0.5 if colocated else 0.9)
+    t = cfg.server_tensor_size
+    weights = 2 * shape.n_params // t
+    rest = int(fraction * plan.device_bytes) - weights
+    name = "weights (bf16)" if t == 1 else f"weights (bf16, 1/{t} per GPU)"
+    plan.server = {name: weights, "KV cache and activations": max(rest, 0)}
+    plan.server_note = (f"{backend} takes rollout.gpu_memory_fraction={fraction} of each GPU; "
+                        "its KV cache gets what the weights leave")
+    plan.server_weights_fit = rest > 0
+    if rest <= 0:
+        plan.server_note += ("; here the weights alone exceed it: raise "
+                             "rollout.gpu_memory_fraction or give each server more GPUs (t)")
+
+
+def _advice(cfg: Any, shape: ModelShape, plan: Plan, inputs: dict[str, Any]) -> list[str]:
+    """Each change that lowers the fullest device, with the trainer rank's GiB it gives,
+    largest saving first; "(fits)" where that alone makes the run fit."""
     budget = ((plan.device_bytes - plan.servers_per_device * plan.server_total)
               // plan.ranks_per_device)
-    over = plan.trainer_total - budget
-    if over > 0:
-        states = t["weights (fp32 master)"] + t["gradients (fp32)"] + t["optimiser (AdamW fp32)"]
-        world = cfg.trainer_world_size
-        if states > over:
-            need = world
-            while need < 4096 and states - states * world / need < over:
-                need *= 2
-            if need > world:
-                out.append(f"shard over more ranks: allocation_mode fsdp:d{need} (weights, "
-                           f"gradients and optimiser state: {states / GiB:.1f} GiB now)")
-        if not use_lora:
-            out.append("train LoRA adapters (actor.use_lora=true): gradients and optimiser "
-                       f"state shrink from {12 * shape.n_params / world / GiB:.1f} GiB to a "
-                       "few hundred MiB")
-        if not cfg.actor.gradient_checkpointing and t["activations"] > budget / 4:
-            out.append("actor.gradient_checkpointing=true (activations "
-                       f"{t['activations'] / GiB:.1f} GiB)")
-        if t["activations"] > budget / 4:
-            out.append(f"lower actor.mb_spec.max_tokens_per_mb "
-                       f"(now {cfg.actor.mb_spec.max_tokens_per_mb})")
-    if plan.server and "KV cache" in plan.server and plan.server_total > budget:
-        out.append(f"lower local_engine.max_batch_size (now {cfg.local_engine.max_batch_size}) "
-                   f"or local_engine.max_seq_len (now {cfg.local_engine.max_seq_len}): the KV "
-                   f"cache takes {plan.server['KV cache'] / GiB:.1f} GiB")
-    return out or ["use a device with more memory"]
+    out: list[tuple[int, str]] = []
+    if plan.trainer_total > budget:
+        for change, total in _trainer_levers(cfg, shape, inputs, budget):
+            if total < plan.trainer_total:
+                out.append((total, f"{change}: {total / GiB:.1f} GiB per trainer rank"
+                            + (" (fits)" if total <= budget else "")))
+    out.sort()
+    advice = [text for _, text in out]
+    server = plan.server
+    if "KV cache" in server and plan.server_total > budget:
+        advice.append(f"lower local_engine.max_batch_size (now "
+                      f"{cfg.local_engine.max_batch_size}) or local_engine.max_seq_len (now "
+                      f"{cfg.local_engine.max_seq_len}): the KV cache takes "
+                      f"{server['KV cache'] / GiB:.1f} GiB")
+    if not plan.server_weights_fit:
+        backend, n, t = cfg.rollout.backend, cfg.rollout.n_servers, cfg.server_tensor_size
+        weights = 2 * shape.n_params
+        fraction = cfg.rollout.gpu_memory_fraction or 0.9
+        need = next((s for s in (2, 4, 8, 16) if s > t
+                     and weights / s < 0.8 * fraction * plan.device_bytes), None)
+        if need:
+            advice.append(f"split each server over more GPUs: rollout {backend}:d{n}t{need} "
+                          f"(weights {weights / need / GiB:.1f} GiB per GPU)")
+    return advice or ["use a device with more memory"]
+
+
+def _trainer_levers(cfg: Any, shape: ModelShape, inputs: dict[str, Any],
+                    budget: int) -> list[tuple[str, int]]:
+    """(the change, the trainer rank's bytes with it) of each lever that applies."""
+    def total(**change: Any) -> int:
+        return sum(plan_trainer(shape, **(inputs | change)).values())
+
+    actor, layout, out = cfg.actor, inputs["layout"], []
+    if not shape.num_experts or actor.target_modules != ["all-linear"]:
+        lora_targets = list(actor.target_modules)
+    else:
+        lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    gpu = inputs["device"] == "cuda"  # more ranks on one CPU machine share its memory
+    if gpu:
+        for letter, valid in (("d", [2 ** k for k in range(1, 11)]),
+                              ("t", _tensor_sizes(shape) if not inputs["adapters"] else []),
+                              ("e", _expert_sizes(shape))):
+            now = getattr(layout, {"d": "data", "t": "tensor", "e": "expert"}[letter])
+            bigger = [n for n in valid if n > now]
+            if bigger:
+                out.append(_smallest_that_fits(total, layout, letter, bigger, budget,
+                                               _mesh_key(cfg)))
+    if not inputs["adapters"]:
+        flat = TrainLayout(layout.data * layout.tensor, 1, layout.expert)
+        adapters = shape.lora_params(actor.lora_rank, lora_targets)
+        out.append((f"train LoRA adapters (actor.use_lora=true, lora_rank={actor.lora_rank}"
+                    + (", target_modules=[q_proj,k_proj,v_proj,o_proj]"
+                       if lora_targets != list(actor.target_modules) else "")
+                    + (f", {_mesh_key(cfg)(flat)}: LoRA is data parallel"
+                       if layout.tensor > 1 else "") + ")",
+                    total(adapters=adapters, layout=flat, frozen=inputs["frozen"][1:]
+                          if actor.kl_ctl and cfg.ref.path == actor.path  # the base is it
+                          else inputs["frozen"])))
+    if not inputs["gradient_checkpointing"]:
+        out.append(("actor.gradient_checkpointing=true", total(gradient_checkpointing=True)))
+    tokens = inputs["tokens_per_mb"]
+    if tokens >= 2048:
+        out.append((f"actor.mb_spec.max_tokens_per_mb={tokens // 4} (now {tokens})",
+                    total(tokens_per_mb=tokens // 4)))
+    return out
+
+
+def _mesh_key(cfg: Any) -> Any:
+    """How a trainer mesh is spelled in this config: allocation_mode's training part, or
+    actor.backend when there is no allocation_mode."""
+    alloc = cfg.allocation
+    if alloc is None:
+        return lambda layout: f"actor.backend {layout.spelling}"
+    op = "|" if alloc.colocated else "+"
+    return lambda layout: f"allocation_mode {alloc.rollout_part}{op}{layout.spelling}"
+
+
+def _smallest_that_fits(total: Any, layout: TrainLayout, letter: str, sizes: list[int],
+                        budget: int, key: Any) -> tuple[str, int]:
+    """The first of `sizes` for dimension `letter` whose rank fits `budget` (else the
+    largest), as (the change, the rank's bytes)."""
+    field_name = {"d": "data", "t": "tensor", "e": "expert"}[letter]
+    for n in sizes:
+        changed = dataclasses.replace(layout, **{field_name: n})
+        bytes_ = total(layout=changed)
+        if bytes_ <= budget:
+            break
+    what = {"d": "shard over more data groups", "t": "split layers over tensor ranks",
+            "e": "split experts over expert ranks"}[letter]
+    return f"{what}: {key(changed)} ({changed.world} ranks)", bytes_
+
+
+def _tensor_sizes(shape: ModelShape) -> list[int]:
+    """Tensor sizes the trainer can split this model by (whole heads, equal MLP slices);
+    none for MoE models, whose layers trainer/parallel.py does not split."""
+    if shape.num_experts:
+        return []
+    return [t for t in (2, 4, 8) if not (shape.num_heads % t or shape.num_kv_heads % t
+                                         or shape.intermediate_size % t)]
+
+
+def _expert_sizes(shape: ModelShape) -> list[int]:
+    return [e for e in (2, 4, 8, 16, 32, 64) if shape.num_experts and not shape.num_experts % e]

@@ -340,12 +340,18 @@ def _inference_client(cfg: ExperimentConfig, addresses: list[str], router: str |
         return RouterClient(router, api_key=api_key, request_timeout=cfg.rollout.request_timeout,
                             update_weights_timeout=cfg.rollout.update_weights_timeout,
                             state=fetch_state(router, api_key))
+    routes = {}
+    if cfg.rollout.backend == "sglang" and cfg.actor.routing_replay:
+        from asyncrl.inference.client.sglang import moe_route_shape
+
+        config = Path(resolve_model_path(cfg.actor.path)) / "config.json"
+        routes = {"moe_routes": moe_route_shape(json.loads(config.read_text()))}
     client = client_class(cfg.rollout.backend)(
         addresses, request_timeout=cfg.rollout.request_timeout,
         request_retries=cfg.rollout.request_retries,
         update_weights_timeout=cfg.rollout.update_weights_timeout,
         health_check_interval=cfg.rollout.health_check_interval, api_key=api_key,
-        server_wait_timeout=cfg.rollout.server_wait_timeout)
+        server_wait_timeout=cfg.rollout.server_wait_timeout, **routes)
     client.timeline = timeline
     return client
 

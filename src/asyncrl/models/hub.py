@@ -2,7 +2,8 @@
 
 `actor.path` may be an HF folder, an HF hub id (loaded by transformers as usual, where the
 hub is reachable), or one of the named small models below, which are built from files that
-ship in a Python package and cached once under the user's cache dir.
+ship in a Python package (SmolLM2-135M-Instruct) or drawn at random (the tiny Qwen3 twins of
+the big recipes, for CPU runs of their machinery), and cached once under the user's cache dir.
 """
 
 from __future__ import annotations
@@ -69,7 +70,29 @@ def _convert_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-NAMED_MODELS = {"smollm2-135m-instruct": _convert_smollm2}
+def _tiny_qwen3(out: Path) -> None:
+    """Random weights in Qwen3-8B's proportions: 4 query heads per KV head, head_dim x heads =
+    hidden, an MLP 3 x hidden wide, untied embeddings."""
+    from asyncrl.models.tiny import make_tiny_model
+
+    make_tiny_model(out, arch="qwen3", hidden_size=64, num_layers=4, num_heads=4,
+                    num_kv_heads=1, head_dim=16, intermediate_size=192,
+                    tie_word_embeddings=False)
+
+
+def _tiny_qwen3_moe(out: Path) -> None:
+    """Random weights in Qwen3-30B-A3B's proportions: 8 query heads per KV head, experts
+    3/8 of hidden wide, one expert in 16 per token (32 experts, top 2), untied embeddings."""
+    from asyncrl.models.tiny import make_tiny_model
+
+    make_tiny_model(out, arch="qwen3_moe", hidden_size=64, num_layers=4, num_heads=8,
+                    num_kv_heads=1, head_dim=8, tie_word_embeddings=False,
+                    moe={"num_experts": 32, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 24, "norm_topk_prob": True})
+
+
+NAMED_MODELS = {"smollm2-135m-instruct": _convert_smollm2, "tiny-qwen3": _tiny_qwen3,
+                "tiny-qwen3-moe": _tiny_qwen3_moe}
 
 
 def resolve_model_path(name_or_path: str) -> str:

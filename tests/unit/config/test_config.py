@@ -197,3 +197,20 @@ def test_bad_lora_options_name_the_key(base_yaml, overrides, message):
 def test_a_lora_run_loads_with_each_rollout_backend(base_yaml, backend):
     cfg = load_config(base_yaml, ["actor.use_lora=true", f"rollout.backend={backend}"])
     assert cfg.actor.use_lora and cfg.rollout.backend == backend
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.backend=vllm"], "reads them from the local and sglang backends, not vllm"),
+    (["rollout.backend=sglang", "scheduler.type=ray"],
+     r"scheduler.router=auto \(scheduler.type=ray\) routes through a router process"),
+])
+def test_routing_replay_needs_servers_whose_routes_asyncrl_reads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["train_dataset.path=x", "actor.routing_replay=true", *overrides])
+
+
+def test_routing_replay_from_sglang_loads_with_the_controller_s_own_client():
+    cfg = load_config(None, ["train_dataset.path=x", "actor.routing_replay=true",
+                             "rollout.backend=sglang", "scheduler.type=ray",
+                             "scheduler.router=inline"])
+    assert cfg.actor.routing_replay and cfg.rollout.backend == "sglang"

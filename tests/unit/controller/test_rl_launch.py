@@ -96,6 +96,14 @@ def test_vllm_servers_get_their_key_and_the_weight_transfer_flag(tmp_path, tiny_
     assert servers.command[at + 1] == '{"backend": "nccl"}'
 
 
+def test_sglang_servers_record_routed_experts_for_routing_replay(tmp_path, tiny_path):
+    _, (servers, *_) = _launch(tmp_path, tiny_path, "allocation_mode=sglang:d1+fsdp:d1",
+                               "actor.routing_replay=true", "scheduler.router=inline")
+    assert "--enable-return-routed-experts" in servers.command
+    _, (plain, *_) = _launch(tmp_path, tiny_path, "allocation_mode=sglang:d1+fsdp:d1")
+    assert "--enable-return-routed-experts" not in plain.command
+
+
 def test_the_trainers_cores_split_evenly_or_one_each():
     assert rank_cores([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert rank_cores([4, 5, 6], 2) == [[4], [5]]

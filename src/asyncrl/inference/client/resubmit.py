@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.inference.client.base import (
     HTTPInferenceClient,
@@ -47,11 +49,13 @@ Step = tuple[str, Callable[[], Awaitable[Any]]]
 
 @dataclass
 class Piece:
-    """What one generate call returned."""
+    """What one generate call returned. `routed_experts` (servers asked to record them):
+    int16 [the call's input and output tokens but the last, MoE layers, top_k]."""
 
     output_ids: list[int]
     output_logprobs: list[float]
     finish: StopReason
+    routed_experts: torch.Tensor | None = None
 
 
 class ResubmittingClient(HTTPInferenceClient):
@@ -103,7 +107,8 @@ class ResubmittingClient(HTTPInferenceClient):
                 break
         return GenerationResponse(rid=req.rid, input_ids=list(req.input_ids), output_ids=ids,
                                   output_logprobs=logprobs, output_versions=versions,
-                                  stop_reason=finish, latency_s=time.monotonic() - t0)
+                                  stop_reason=finish, latency_s=time.monotonic() - t0,
+                                  routed_experts=_with_last_row(piece.routed_experts))
 
     async def _update_server(self, idx: int, path: str, version: int) -> None:
         """Hold new pieces back on this server while it updates."""
@@ -157,3 +162,12 @@ class ResubmittingClient(HTTPInferenceClient):
 def is_adapter_folder(path: str) -> bool:
     """True where `path` holds a LoRA adapter (PEFT's config file), not full weights."""
     return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def _with_last_row(routes: torch.Tensor | None) -> torch.Tensor | None:
+    """The last piece's routed experts, which cover every token the server ran (its prefill
+    routed the earlier pieces' tokens again under its weights), plus a row of -1 for the
+    last token, sampled but never run (GenerationResponse's convention)."""
+    if routes is None:
+        return None
+    return torch.cat([routes, torch.full_like(routes[:1], -1)])

@@ -13,6 +13,12 @@ Endpoints used (shapes from SGLang's http_server.py and io_struct.py):
   pause and a resume, then POST /update_weight_version {"new_version"}; /generate names the
   adapter in "lora_path" (resubmit.py has the naming); POST /unload_lora_adapter
   {"lora_name"} forgets an old one.
+- Routed experts (MoE routing replay; the server is started with
+  --enable-return-routed-experts, controller/launch.py): /generate with
+  "return_routed_experts": true answers meta_info.routed_experts, the base64 of an int32
+  array of shape [input + output tokens - 1, MoE layers, top_k] (C order): the experts each
+  layer chose for every token the server ran, the last sampled token excepted (SGLang PR
+  #12162: tokenizer_manager.py encodes the tensor's bytes; its docs give the shape).
 - GET /model_info -> {"weight_version", ...}; GET /health. SGLang 0.5.6 added /model_info
   and deprecated /get_model_info (it logs a warning per call); servers up to 0.5.5 have only
   /get_model_info, which the client then asks instead (after one 404 per server).
@@ -30,7 +36,11 @@ weights, with the next broadcast.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
+
+import numpy as np
+import torch
 
 from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
 from asyncrl.inference.client.base import (
@@ -52,15 +62,25 @@ class SGLangClient(ResubmittingClient):
 
     backend = "sglang"
 
-    def __init__(self, addresses: list[str], **kwargs) -> None:
+    def __init__(self, addresses: list[str], *, moe_routes: tuple[int, int] | None = None,
+                 **kwargs) -> None:
+        """`moe_routes`: (MoE layers, top_k) of the served model, to ask every generation
+        for its routed experts (`moe_route_shape`); None: not asked."""
         super().__init__(addresses, **kwargs)
+        self.moe_routes = moe_routes
         self._old_model_info: set[str] = set()  # servers without /model_info (<= 0.5.5)
 
     async def _generate_piece(self, address: str, req: GenerationRequest, done_ids: list[int],
                               adapter: str | None) -> Piece:
-        body = await self._request(address, "/generate", generate_body(req, done_ids, adapter),
-                                   timeout=self.request_timeout)
-        return parse_generate(body, address)
+        request = generate_body(req, done_ids, adapter, routes=self.moe_routes is not None)
+        body = await self._request(address, "/generate", request, timeout=self.request_timeout)
+        piece = parse_generate(body, address)
+        # An aborted piece may come without them; the last piece's cover every token.
+        recorded = "routed_experts" in body.get("meta_info", {})
+        if self.moe_routes is not None and (recorded or piece.finish != StopReason.ABORT):
+            ran = len(request["input_ids"]) + len(piece.output_ids) - 1
+            piece.routed_experts = parse_routes(body, address, ran, self.moe_routes)
+        return piece
 
     async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
         address, t = self.addresses[idx], self.update_weights_timeout
@@ -166,12 +186,14 @@ def bucket_bodies(broadcast: WeightBroadcast, version: int) -> list[dict[str, An
 
 
 def generate_body(req: GenerationRequest, done_ids: list[int],
-                  adapter: str | None = None) -> dict[str, Any]:
+                  adapter: str | None = None, routes: bool = False) -> dict[str, Any]:
     """The /generate request continuing `req` after the `done_ids` already sampled, under
-    the LoRA adapter named `adapter` (None: the base model)."""
+    the LoRA adapter named `adapter` (None: the base model), asking for the routed experts
+    if `routes`."""
     s = req.sampling
     return {
         **({"lora_path": adapter} if adapter is not None else {}),
+        **({"return_routed_experts": True} if routes else {}),
         "input_ids": list(req.input_ids) + list(done_ids),
         "sampling_params": {
             "max_new_tokens": s.max_new_tokens - len(done_ids),
@@ -206,3 +228,40 @@ def parse_generate(body: dict[str, Any], address: str) -> Piece:
         raise InferenceServerError(f"{address}/generate: output_ids {body['output_ids'][:8]}... "
                                    f"differ from the log-prob tokens {ids[:8]}...")
     return Piece(ids, lps, finish)
+
+
+def parse_routes(body: dict[str, Any], address: str, n_tokens: int,
+                 shape: tuple[int, int]) -> torch.Tensor:
+    """meta_info.routed_experts of a /generate answer as int16 [n_tokens, layers, top_k]
+    (`shape`: layers, top_k); InferenceServerError naming the server if it is missing or
+    of another size."""
+    encoded = body.get("meta_info", {}).get("routed_experts")
+    if not isinstance(encoded, str):
+        raise InferenceServerError(
+            f"{address}/generate: no meta_info.routed_experts in the answer, asked for by "
+            "actor.routing_replay=true; start SGLang with --enable-return-routed-experts")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    layers, k = shape
+    if flat.size != n_tokens * layers * k:
+        raise InferenceServerError(
+            f"{address}/generate: routed_experts holds {flat.size} expert ids, not "
+            f"{n_tokens} tokens x {layers} MoE layers x top {k}: does the server run "
+            "actor.path's model?")
+    return torch.from_numpy(flat.astype(np.int16)).view(n_tokens, layers, k)
+
+
+def moe_route_shape(config: dict[str, Any]) -> tuple[int, int]:
+    """(MoE layers, top_k) of an HF config.json whose every decoder layer is MoE (SGLang
+    reports one row of experts per layer); ValueError otherwise."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    k = config.get("num_experts_per_tok") or 0
+    layers = config["num_hidden_layers"]
+    dense = [i for i in range(layers) if i in (config.get("mlp_only_layers") or [])
+             or (i + 1) % (config.get("decoder_sparse_step") or 1)]
+    if not experts or not k or dense:
+        raise ValueError(
+            f"actor.routing_replay=true with SGLang needs a model whose every layer is MoE; "
+            f"{config.get('model_type')!r} has "
+            + (f"dense layers {dense}" if experts and k else "no experts")
+            + "; set actor.routing_replay=false")
+    return layers, k

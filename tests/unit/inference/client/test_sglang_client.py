@@ -6,16 +6,19 @@ checking that the request body is the recorded one.
 """
 
 import asyncio
+import base64
 import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from aiohttp import web
 
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.inference.client.base import InferenceServerError, WeightUpdateError
-from asyncrl.inference.client.sglang import SGLangClient
+from asyncrl.inference.client.sglang import SGLangClient, moe_route_shape
 
 EXCHANGE = Path(__file__).resolve().parents[3] / "fixtures" / "sglang" / "exchange.json"
 
@@ -281,3 +284,104 @@ def test_an_adapter_folder_without_its_weights_is_refused_before_any_pause(adapt
         asyncio.run(client.update_weights_from_disk(adapter_folders[1], 1))
     asyncio.run(client.close())
     assert server.seen == []
+
+
+# Routed experts: GenerateReqInput.return_routed_experts, answered in meta_info.routed_experts
+# as the base64 of an int32 [input + output tokens - 1, layers, top_k] array (SGLang PR
+# #12162, tokenizer_manager.py; the shape from SGLang's docs). Expert ids are made up.
+LAYERS, TOP_K = 2, 2
+
+
+def routes_b64(rows: np.ndarray) -> str:
+    return base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
+
+
+def made_up_routes(n_tokens: int, offset: int) -> np.ndarray:
+    """Distinct ids per token, layer and pick, shifted by `offset` (another weight version)."""
+    return (np.arange(n_tokens * LAYERS * TOP_K) + offset).reshape(n_tokens, LAYERS, TOP_K) % 8
+
+
+def routed_generate(input_ids, outputs, finish, routes=None, max_new_tokens=5):
+    body = {"input_ids": input_ids, "return_routed_experts": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0,
+                                "top_p": 1.0, "top_k": -1, "stop_token_ids": [], "stop": [],
+                                "ignore_eos": False, "skip_special_tokens": False}}
+    meta = {"finish_reason": {"type": finish},
+            "output_token_logprobs": [[-0.5, t, None] for t in outputs]}
+    if routes is not None:
+        meta["routed_experts"] = routes_b64(routes)
+    return post("/generate", body, {"output_ids": outputs, "meta_info": meta})
+
+
+def test_routed_experts_of_the_last_piece_cover_every_token_and_the_last_is_minus_one(
+        exchange):
+    _, subs = exchange
+    # piece 1: 3 tokens, then aborted by the update (without routes); piece 2 runs the
+    # prompt and those 3 again under version 1 and samples 2 more: 7 + 2 - 1 = 8 rows
+    second = made_up_routes(8, offset=3)
+    entries = [
+        {**routed_generate([1, 60, 61, 62], [77, 78, 79], "abort"),
+         "hold_until": "/pause_generation"},
+        post("/pause_generation", {"mode": "abort"}, OK),
+        post("/update_weights_from_disk", {"model_path": subs["<WEIGHTS_1>"],
+                                           "weight_version": "1"},
+             {"success": True, "message": "ok", "num_paused_requests": 0}),
+        post("/continue_generation", {}, OK),
+        routed_generate([1, 60, 61, 62, 77, 78, 79], [80, 2], "stop", second,
+                        max_new_tokens=2),
+    ]
+    server = ReplayServer(entries, subs)
+    client = SGLangClient([server.address], update_weights_timeout=5,
+                          moe_routes=(LAYERS, TOP_K))
+    req = GenerationRequest(input_ids=[1, 60, 61, 62], rid="r",
+                            sampling=SamplingParams(max_new_tokens=5, temperature=1.0))
+
+    async def go():
+        gen = asyncio.ensure_future(client.agenerate(req))
+        while not any(p == "/generate" for p, _ in server.seen):
+            await asyncio.sleep(0.01)
+        await client.update_weights_from_disk(subs["<WEIGHTS_1>"], 1)
+        return await gen
+
+    resp = asyncio.run(go())
+    asyncio.run(client.close())
+    assert server.errors == [] and all(server.used)
+    assert resp.output_ids == [77, 78, 79, 80, 2] and resp.output_versions == [0, 0, 0, 1, 1]
+    routes = resp.routed_experts
+    assert routes.dtype == torch.int16 and list(routes.shape) == [9, LAYERS, TOP_K]
+    assert routes[:8].tolist() == second.tolist()
+    assert (routes[8] == -1).all()
+
+
+def test_an_answer_without_routed_experts_names_the_server_flag():
+    server = ReplayServer([routed_generate([1, 60], [70], "length", max_new_tokens=1)], {})
+    client = SGLangClient([server.address], moe_routes=(LAYERS, TOP_K))
+    req = GenerationRequest(input_ids=[1, 60], sampling=SamplingParams(max_new_tokens=1))
+    with pytest.raises(InferenceServerError, match="--enable-return-routed-experts"):
+        asyncio.run(client.agenerate(req))
+    asyncio.run(client.close())
+
+
+def test_routed_experts_of_another_model_s_size_are_refused():
+    # the prompt's 2 tokens and the output's 1, the last excepted: 2 rows of 2 layers x 2
+    # picks = 8 ids; 6 ids (one row of 3 layers) are another model's
+    wrong = made_up_routes(2, 0).reshape(-1)[:6].reshape(1, 3, 2)
+    server = ReplayServer([routed_generate([1, 60], [70], "length", wrong,
+                                           max_new_tokens=1)], {})
+    client = SGLangClient([server.address], moe_routes=(LAYERS, TOP_K))
+    req = GenerationRequest(input_ids=[1, 60], sampling=SamplingParams(max_new_tokens=1))
+    with pytest.raises(InferenceServerError, match="6 expert ids, not 2 tokens x 2 MoE"):
+        asyncio.run(client.agenerate(req))
+    asyncio.run(client.close())
+
+
+def test_moe_route_shape_reads_the_config_and_refuses_dense_layers():
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(num_hidden_layers=3, num_experts=8,
+                                         num_experts_per_tok=2).to_dict()
+    assert moe_route_shape(config) == (3, 2)
+    with pytest.raises(ValueError, match=r"dense layers \[0, 2\]"):
+        moe_route_shape(config | {"decoder_sparse_step": 2})
+    with pytest.raises(ValueError, match="no experts"):
+        moe_route_shape(transformers.Qwen3Config(num_hidden_layers=2).to_dict())
