@@ -127,6 +127,11 @@ class TrainLayout(NamedTuple):
     def world_size(self) -> int:
         return self.data * self.tensor * self.expert
 
+    @property
+    def spelling(self) -> str:
+        """actor.backend's canonical form: `fsdp:d2`, `fsdp:d2t2` or `fsdp:d2e4`."""
+        return f"fsdp:{_spell(*self)}"
+
 
 def parse_rollout_backend(text: str, key: str = "rollout.backend") -> RolloutLayout:
     """(backend, servers or None, tensor size, expert size) of "vllm", "vllm:d2t4" or
@@ -171,6 +176,32 @@ def _train(text: str, where: str) -> TrainLayout:
                          "training together are not supported; use one of them, e.g. "
                          f"'fsdp:d{dims['d']}e{dims['e']}' or 'fsdp:d{dims['d']}t{dims['t']}'")
     return TrainLayout(dims["d"], dims["t"], dims["e"])
+
+
+def check_expert_split(num_experts: int, expert: int, kind: str) -> None:
+    """Raise, naming the sizes, unless `expert` ranks (actor.backend's e) can split a model's
+    `num_experts` experts per MoE layer evenly (0: a dense model, `kind` its model_type).
+    The trainer (trainer/experts.py) and `asyncrl plan` both ask this."""
+    if expert == 1:
+        return
+    if not num_experts:
+        raise ValueError(f"expert parallel training (e{expert} in actor.backend) splits the "
+                         f"experts of a Mixture-of-Experts model, and {kind} has none; use "
+                         "e1 (data parallel: fsdp:d<N>)")
+    if num_experts % expert:
+        fits = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+        raise ValueError(f"expert parallel size e{expert} (actor.backend) must divide the "
+                         f"model's num_experts={num_experts}: each rank holds an equal share; "
+                         f"use e in {fits}")
+
+
+def check_lora_layout(layout: TrainLayout, backend: str | None) -> None:
+    """Raise unless LoRA can train on `layout`: data parallel only (the trainer and `asyncrl
+    plan` both ask this)."""
+    if layout.tensor > 1 or layout.expert > 1:
+        raise ValueError(f"actor.use_lora=true with actor.backend={backend!r} (tensor or "
+                         "expert parallel) is not supported: use fsdp:d<N> (data parallel) "
+                         "with LoRA")
 
 
 def parse_allocation_mode(mode: str) -> Allocation:
