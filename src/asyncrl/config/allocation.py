@@ -195,6 +195,30 @@ def check_expert_split(num_experts: int, expert: int, kind: str) -> None:
                          f"use e in {fits}")
 
 
+# The HF model types whose decoder layers tensor parallel training splits
+# (trainer/parallel.py's layer plan knows their module names and head layout).
+TENSOR_PARALLEL_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def check_tensor_split(model_type: str, sizes: dict[str, int], tensor: int) -> None:
+    """Raise, naming the sizes, unless `tensor` ranks (actor.backend's t) can split a model of
+    `model_type` whose `sizes` are its num_attention_heads, num_key_value_heads and
+    intermediate_size. The trainer (trainer/parallel.py) and `asyncrl plan` both ask this."""
+    if tensor == 1:
+        return
+    if model_type not in TENSOR_PARALLEL_MODEL_TYPES:
+        raise ValueError(f"tensor parallel training (t{tensor}) knows the decoder layers of "
+                         f"{list(TENSOR_PARALLEL_MODEL_TYPES)}, not model_type {model_type!r}; "
+                         "use t1 in actor.backend")
+    bad = {name: n for name, n in sizes.items() if n % tensor}
+    if bad:
+        fits = [t for t in range(1, tensor + 1) if all(n % t == 0 for n in sizes.values())]
+        raise ValueError(
+            f"tensor parallel size t{tensor} (actor.backend) must divide the model's "
+            f"{', '.join(f'{k}={v}' for k, v in bad.items())}: each rank takes whole heads "
+            f"and an equal slice of the MLP; use t in {fits}")
+
+
 def check_lora_layout(layout: TrainLayout, backend: str | None) -> None:
     """Raise unless LoRA can train on `layout`: data parallel only (the trainer and `asyncrl
     plan` both ask this)."""

@@ -52,9 +52,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.allocation import (
+    TENSOR_PARALLEL_MODEL_TYPES,
     TrainLayout,
     check_expert_split,
     check_lora_layout,
+    check_tensor_split,
     parse_train_backend,
 )
 from asyncrl.config.engine import moe_adapter_error
@@ -433,6 +435,10 @@ def _trainer_inputs(cfg: Any, shape: ModelShape) -> dict[str, Any]:
     check_expert_split(shape.num_experts, layout.expert, shape.model_type or "this model")
     if actor.use_lora:
         check_lora_layout(layout, actor.backend)
+    check_tensor_split(shape.model_type, {"num_attention_heads": shape.num_heads,
+                                          "num_key_value_heads": shape.num_kv_heads,
+                                          "intermediate_size": shape.intermediate_size},
+                       layout.tensor)
     adapters = (shape.lora_params(actor.lora_rank, list(actor.target_modules))
                 if actor.use_lora else 0)
     frozen = []
@@ -562,8 +568,8 @@ def _smallest_that_fits(total: Any, layout: TrainLayout, letter: str, sizes: lis
 
 def _tensor_sizes(shape: ModelShape) -> list[int]:
     """Tensor sizes the trainer can split this model by (whole heads, equal MLP slices);
-    none for MoE models, whose layers trainer/parallel.py does not split."""
-    if shape.num_experts:
+    none for the model types trainer/parallel.py does not split (MoE models among them)."""
+    if shape.model_type not in TENSOR_PARALLEL_MODEL_TYPES:
         return []
     return [t for t in (2, 4, 8) if not (shape.num_heads % t or shape.num_kv_heads % t
                                          or shape.intermediate_size % t)]

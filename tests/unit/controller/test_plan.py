@@ -333,14 +333,16 @@ def tiny_moe(tmp_path_factory):
     ("qwen3_moe", [], "fsdp:d1e3"),  # 8 experts: e3 does not divide them
     ("llama", [], "fsdp:d1e2"),  # no experts to split
     ("qwen3_moe", ["actor.use_lora=true"], "fsdp:d1e2"),  # LoRA trains data parallel only
+    ("qwen3_moe", [], "fsdp:d1t2"),  # tensor parallel training splits dense layers only
+    ("llama", [], "fsdp:d1t4"),  # 2 heads: t4 does not divide them
 ])
-def test_the_plan_refuses_the_expert_layouts_the_trainer_refuses(tiny_moe, tmp_path, arch,
+def test_the_plan_refuses_the_layouts_the_trainer_refuses(tiny_moe, tmp_path, arch,
                                                                  extra, backend):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config.allocation import check_lora_layout, parse_train_backend
     from asyncrl.models.tiny import make_tiny_model
-    from asyncrl.trainer.experts import check_model
+    from asyncrl.trainer import experts, parallel
 
     path = tiny_moe if arch == "qwen3_moe" else make_tiny_model(tmp_path / "dense")
     cfg = load_config(None, [DATA, f"actor.path={path}", f"tokenizer_path={path}",
@@ -348,11 +350,15 @@ def test_the_plan_refuses_the_expert_layouts_the_trainer_refuses(tiny_moe, tmp_p
     with pytest.raises(ValueError) as planned:
         plan_run(cfg, device_bytes=64 * GiB)
     layout = parse_train_backend(backend)
-    with pytest.raises(ValueError) as trained:  # what trainer/engine.py raises first
-        check_model(AutoModelForCausalLM.from_pretrained(path), layout.expert)
-        check_lora_layout(layout, backend)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError) as trained:  # trainer/engine.py's checks, in its order
+        if layout.expert > 1:
+            experts.check_model(model, layout.expert)
+        if "actor.use_lora=true" in extra:
+            check_lora_layout(layout, backend)
+        parallel.check_model(model.config, layout.tensor)
     assert str(planned.value) == str(trained.value)
-    assert f"e{layout.expert}" in str(planned.value)
+    assert backend[-2:] in str(planned.value)  # names the size: e3, e2, t2, t4
 
 
 def test_the_plan_command_names_a_refused_layout_as_a_config_error(tiny_moe, capsys):
