@@ -48,12 +48,15 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """`asyncrl plan`: the run's memory per device, and whether it fits."""
-    from asyncrl.config import load_config
+    from asyncrl.config import ConfigError, load_config
     from asyncrl.controller.plan import GiB, plan_run
 
     cfg = load_config(args.config, args.overrides)
     device_bytes = int(args.device_gb * GiB) if args.device_gb else None
-    plan = plan_run(cfg, device_bytes=device_bytes)
+    try:
+        plan = plan_run(cfg, device_bytes=device_bytes)
+    except ValueError as e:  # what the trainer would refuse for this model (a layout, LoRA)
+        raise ConfigError(str(e)) from None
     print(plan.table())
     return 0 if plan.fits else 1
 

@@ -127,6 +127,11 @@ class TrainLayout(NamedTuple):
     def world_size(self) -> int:
         return self.data * self.tensor * self.expert
 
+    @property
+    def spelling(self) -> str:
+        """actor.backend's canonical form: `fsdp:d2`, `fsdp:d2t2` or `fsdp:d2e4`."""
+        return f"fsdp:{_spell(*self)}"
+
 
 def parse_rollout_backend(text: str, key: str = "rollout.backend") -> RolloutLayout:
     """(backend, servers or None, tensor size, expert size) of "vllm", "vllm:d2t4" or
@@ -171,6 +176,56 @@ def _train(text: str, where: str) -> TrainLayout:
                          "training together are not supported; use one of them, e.g. "
                          f"'fsdp:d{dims['d']}e{dims['e']}' or 'fsdp:d{dims['d']}t{dims['t']}'")
     return TrainLayout(dims["d"], dims["t"], dims["e"])
+
+
+def check_expert_split(num_experts: int, expert: int, kind: str) -> None:
+    """Raise, naming the sizes, unless `expert` ranks (actor.backend's e) can split a model's
+    `num_experts` experts per MoE layer evenly (0: a dense model, `kind` its model_type).
+    The trainer (trainer/experts.py) and `asyncrl plan` both ask this."""
+    if expert == 1:
+        return
+    if not num_experts:
+        raise ValueError(f"expert parallel training (e{expert} in actor.backend) splits the "
+                         f"experts of a Mixture-of-Experts model, and {kind} has none; use "
+                         "e1 (data parallel: fsdp:d<N>)")
+    if num_experts % expert:
+        fits = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+        raise ValueError(f"expert parallel size e{expert} (actor.backend) must divide the "
+                         f"model's num_experts={num_experts}: each rank holds an equal share; "
+                         f"use e in {fits}")
+
+
+# The HF model types whose decoder layers tensor parallel training splits
+# (trainer/parallel.py's layer plan knows their module names and head layout).
+TENSOR_PARALLEL_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def check_tensor_split(model_type: str, sizes: dict[str, int], tensor: int) -> None:
+    """Raise, naming the sizes, unless `tensor` ranks (actor.backend's t) can split a model of
+    `model_type` whose `sizes` are its num_attention_heads, num_key_value_heads and
+    intermediate_size. The trainer (trainer/parallel.py) and `asyncrl plan` both ask this."""
+    if tensor == 1:
+        return
+    if model_type not in TENSOR_PARALLEL_MODEL_TYPES:
+        raise ValueError(f"tensor parallel training (t{tensor}) knows the decoder layers of "
+                         f"{list(TENSOR_PARALLEL_MODEL_TYPES)}, not model_type {model_type!r}; "
+                         "use t1 in actor.backend")
+    bad = {name: n for name, n in sizes.items() if n % tensor}
+    if bad:
+        fits = [t for t in range(1, tensor + 1) if all(n % t == 0 for n in sizes.values())]
+        raise ValueError(
+            f"tensor parallel size t{tensor} (actor.backend) must divide the model's "
+            f"{', '.join(f'{k}={v}' for k, v in bad.items())}: each rank takes whole heads "
+            f"and an equal slice of the MLP; use t in {fits}")
+
+
+def check_lora_layout(layout: TrainLayout, backend: str | None) -> None:
+    """Raise unless LoRA can train on `layout`: data parallel only (the trainer and `asyncrl
+    plan` both ask this)."""
+    if layout.tensor > 1 or layout.expert > 1:
+        raise ValueError(f"actor.use_lora=true with actor.backend={backend!r} (tensor or "
+                         "expert parallel) is not supported: use fsdp:d<N> (data parallel) "
+                         "with LoRA")
 
 
 def parse_allocation_mode(mode: str) -> Allocation:

@@ -39,7 +39,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
         _check(0 <= self.warmup_steps_proportion < 1,
-               f"optimizer.warmup_steps_proportion must be in [0, 1), got {self.warmup_steps_proportion}")
+               "optimizer.warmup_steps_proportion must be in [0, 1), got "
+               f"{self.warmup_steps_proportion}")
 
 
 @dataclass(kw_only=True)
@@ -52,7 +53,8 @@ class MicroBatchSpec:
     granularity: int = 1
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens_per_mb >= 1, f"mb_spec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
+        _check(self.max_tokens_per_mb >= 1,
+               f"mb_spec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
         _check(self.granularity >= 1, f"mb_spec.granularity must be >= 1, got {self.granularity}")
 
 
@@ -99,3 +101,13 @@ class TrainEngineSpec:
         keys = {f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)}
         keys = {k: tuple(v) if isinstance(v, list) else v for k, v in keys.items()}
         return cls(**(keys | overrides))
+
+
+def moe_adapter_error(modules: list[str], names: list[str]) -> ValueError:
+    """The refusal of LoRA `modules` that adapt a Mixture-of-Experts router or experts
+    (`names`: those modules), which the trainer (trainer/lora.py) and `asyncrl plan` raise."""
+    return ValueError(f"target_modules={modules} adapts the MoE router or experts "
+                      f"({', '.join(names[:2])}): they take no adapters here (the servers "
+                      "adapt linear layers, and an adapted router would route otherwise than "
+                      "the rollout did); name attention projections (q_proj, k_proj, v_proj, "
+                      "o_proj) or use [all-linear]")

@@ -5,13 +5,18 @@ server, the bytes of weights, gradients, optimiser state, activations and KV cac
 whether they fit the device (`--device-gb`, default: this machine's memory on a CPU run, 80
 GB on a GPU run) and, when they do not, which change would make them fit.
 
-What a trainer rank holds. Its mesh (`actor.backend: fsdp:d<M>t<S>e<E>`) is M data groups
-of S x E ranks: a rank holds 1/S of each attention and dense MLP projection (tensor
-parallel; embeddings, norms and head whole), 1/E of each MoE layer's experts (expert
-parallel; the router whole), and FSDP2 shards what it holds over the M data groups:
+What a trainer rank holds. Its mesh is `actor.backend` as the trainer reads it
+(`config/allocation.py`, with the trainer's refusals: t and e together, e not dividing the
+model's experts, LoRA under t or e): M data groups of S ranks (`fsdp:d<M>t<S>`), a rank
+holding 1/S of each attention and dense MLP projection (embeddings, norms and head whole),
+FSDP2 sharding that over the M groups; or M data groups of E ranks (`fsdp:d<M>e<E>`), a
+rank holding 1/E of each MoE layer's experts, FSDP2 sharding those over the M ranks that
+hold the same experts and every other parameter over all M x E ranks:
 - fp32 master weights, 4 bytes per parameter, and per trained parameter an fp32 gradient (4)
   and AdamW's two moments (8). With LoRA the frozen base stays in fp32 (the engine loads
-  every weight so) beside the adapters, and only the adapters have gradients and moments;
+  every weight so) beside the adapters, and only the adapters have gradients and moments.
+  LoRA on an MoE model adapts what trainer/lora.py adapts: with `all-linear` the attention
+  projections (q, k, v, o), never the router or the experts;
 - the compute copy: with FSDP2, the rank's share of one decoder layer gathered in bf16 and
   the next prefetched (two layers, plus the embedding and head of the root group); on one
   rank, which FSDP does not wrap, a persistent bf16 copy of every weight
@@ -40,15 +45,25 @@ The figures are estimates: `benchmarks/memory_plan.py` measures peaks beside the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.allocation import (
+    TENSOR_PARALLEL_MODEL_TYPES,
+    TrainLayout,
+    check_expert_split,
+    check_lora_layout,
+    check_tensor_split,
+    parse_train_backend,
+)
+from asyncrl.config.engine import moe_adapter_error
+
 GiB = 2**30
+# The module names of HF's Qwen3-MoE router and fused experts, which take no adapters.
+MOE_MODULES = ("gate", "experts")
 # Tokens of the log-prob head's vocabulary chunk (trainer/cpu/logprob_head.py computes the
 # log-softmax over the vocabulary in chunks and never holds [T, V] at once).
 HEAD_CHUNK_TOKENS = 1024
@@ -100,6 +115,7 @@ class ModelShape:
     num_experts: int = 0  # 0: dense
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    model_type: str = ""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -115,7 +131,8 @@ class ModelShape:
             qkv_bias=c.get("model_type") == "qwen2" or c.get("attention_bias", False),
             qk_norm=c.get("model_type", "").startswith("qwen3"),
             num_experts=experts, experts_per_token=c.get("num_experts_per_tok", 0),
-            moe_intermediate_size=c.get("moe_intermediate_size", 0))
+            moe_intermediate_size=c.get("moe_intermediate_size", 0),
+            model_type=c.get("model_type", ""))
 
     @classmethod
     def of(cls, name_or_path: str) -> ModelShape:
@@ -197,30 +214,33 @@ class ModelShape:
         return self.num_layers * self.rank_layer_params(tensor, expert) + self.embedding_params()
 
     def lora_params(self, rank: int, targets: list[str] | None = None) -> int:
-        """Adapter parameters of rank `rank` on every projection of every layer (`targets`
-        None or ["all-linear"]) or on the named ones (q_proj, k_proj, v_proj, o_proj, and of
-        a dense model gate_proj, up_proj, down_proj)."""
+        """Adapter parameters of rank `rank` on the projections trainer/lora.py adapts: with
+        `targets` None or ["all-linear"] every linear layer of the decoder (of an MoE model
+        the attention's q, k, v and o: its router and fused experts are no linear layers),
+        else the named ones. Naming an MoE model's router or experts is the trainer's
+        refusal."""
         names = ["q_proj", "k_proj", "v_proj", "o_proj"]
         shapes = self.attention_shapes()
         if not self.num_experts:
             names += ["gate_proj", "up_proj", "down_proj"]
             shapes = self.linear_shapes()
         everything = not targets or targets == ["all-linear"]
-        if self.num_experts and everything:
-            # PEFT's all-linear also wraps the experts' 3-D weights and the router
-            # (ParamWrapper), and trainer/lora.py adapts linear layers only.
-            raise ValueError("actor.target_modules=[all-linear] on a Mixture-of-Experts model "
-                             "adapts its experts and router, which the trainer's LoRA does "
-                             "not; name the attention projections, e.g. "
-                             "actor.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+        moe_named = sorted(set(targets or []) & set(MOE_MODULES)) if self.num_experts else []
+        if moe_named:
+            raise moe_adapter_error(list(targets or []), moe_named)
         chosen = set(names) if everything else set(targets)
         unknown = chosen - set(names)
         if unknown:
             raise ValueError(f"actor.target_modules {sorted(unknown)} are not projections of "
-                             f"this model that take adapters; use some of {sorted(names)}"
-                             + ("" if self.num_experts else " or 'all-linear'"))
+                             f"this model that take adapters; use some of {sorted(names)} "
+                             "or 'all-linear'")
         per_layer = sum(rank * (a + b) for name, (a, b) in zip(names, shapes) if name in chosen)
         return self.num_layers * per_layer
+
+    def rank_expert_params(self, expert: int = 1) -> int:
+        """The experts' parameters (every layer's) on one rank of an expert group of `expert`
+        ranks, before FSDP."""
+        return self.num_layers * self.layer_expert_params() // expert
 
     def activation_bytes_per_token_layer(self, dtype_bytes: int = 2, tensor: int = 1,
                                          hf_modules: bool = False) -> int:
@@ -249,44 +269,10 @@ class ModelShape:
         return common + b * routed + self.num_experts * (b + 4)
 
 
-@dataclass(frozen=True)
-class TrainLayout:
-    """The trainer's mesh: `data` FSDP groups, each of `tensor` x `expert` ranks; a rank
-    holds 1/tensor of each attention and dense MLP projection and 1/expert of each MoE
-    layer's experts, and FSDP shards what it holds over the data groups."""
-
-    data: int = 1
-    tensor: int = 1
-    expert: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.data * self.tensor * self.expert
-
-    @property
-    def spelling(self) -> str:
-        return "fsdp:d{}{}{}".format(self.data, f"t{self.tensor}" if self.tensor > 1 else "",
-                                     f"e{self.expert}" if self.expert > 1 else "")
-
-
-_LAYOUT = re.compile(r"^(?:fsdp:)?((?:[dte]\d+)+)$")
-
-
 def train_layout(backend: str | None, world_size: int = 1) -> TrainLayout:
-    """The mesh of `actor.backend` ("fsdp:d2t2", "fsdp:d2e4"; e: expert parallel); None:
-    data parallel over `world_size` ranks."""
-    if backend is None:
-        return TrainLayout(world_size)
-    text = backend.replace(" ", "")
-    found = _LAYOUT.match(text)
-    letters = re.findall(r"([dte])(\d+)", found.group(1)) if found else []
-    if not found or len({k for k, _ in letters}) < len(letters) or any(
-            int(n) < 1 for _, n in letters):
-        raise ValueError(f"actor.backend={backend!r} is not a trainer mesh like 'fsdp:d2t2' or "
-                         "'fsdp:d2e4' (d<M> data, t<S> tensor, e<E> expert parallel, each once "
-                         "and >= 1)")
-    dims = {k: int(n) for k, n in letters}
-    return TrainLayout(dims.get("d", 1), dims.get("t", 1), dims.get("e", 1))
+    """The mesh of `actor.backend` as the trainer reads it (config/allocation.py: "fsdp:d2t2",
+    "fsdp:d2e4", the same refusals); None: data parallel over `world_size` ranks."""
+    return TrainLayout(world_size) if backend is None else parse_train_backend(backend)
 
 
 @dataclass
@@ -348,16 +334,20 @@ class Plan:
 
 
 def plan_trainer(shape: ModelShape, *, device: str, tokens_per_mb: int,
-                 layout: TrainLayout = TrainLayout(), gradient_checkpointing: bool = False,
+                 layout: TrainLayout = TrainLayout(1), gradient_checkpointing: bool = False,
                  compute_bytes: int = 2, adapters: int = 0,
                  frozen: tuple[ModelShape, ...] = ()) -> dict[str, int]:
     """Bytes of one trainer rank (see the module doc). `adapters`: LoRA's adapter parameters
     (0: every parameter is trained); `frozen`: the reference and teacher models held beside
     the actor, each a data-parallel engine over all ranks without gradients (a LoRA actor's
     reference is the base itself: none)."""
-    d, t = layout.data, layout.tensor
-    held = shape.rank_params(t, layout.expert)  # before FSDP shards it over the data groups
-    trained = adapters or held
+    d, t, e = layout
+    # FSDP2 shards the rank's experts over the d ranks that hold the same ones, and the rest
+    # of its (tensor, expert) part over the data groups, under e over all d x e ranks
+    # (trainer/experts.py)
+    held, experts = shape.rank_params(t, e), shape.rank_expert_params(e)
+    sharded = experts // d + (held - experts) // (d * e)
+    trained = adapters // d if adapters else sharded
     compute = _compute_copy(shape, layout, device, compute_bytes, adapters)
     hf_modules = device != "cpu" or t > 1  # the fused CPU paths are off (trainer/engine.py)
     per_layer = shape.activation_bytes_per_token_layer(compute_bytes, t,
@@ -368,12 +358,12 @@ def plan_trainer(shape: ModelShape, *, device: str, tokens_per_mb: int,
     else:
         activations = shape.num_layers * per_layer
     head = 3 * min(tokens_per_mb, HEAD_CHUNK_TOKENS) * shape.vocab_size * 4
-    plan = {"weights (fp32 master)": 4 * (held + adapters) // d,
-            "weights (compute copy)": compute, "gradients (fp32)": 4 * trained // d,
-            "optimiser (AdamW fp32)": 8 * trained // d, "activations": activations + head,
+    plan = {"weights (fp32 master)": 4 * (sharded + adapters // d),
+            "weights (compute copy)": compute, "gradients (fp32)": 4 * trained,
+            "optimiser (AdamW fp32)": 8 * trained, "activations": activations + head,
             "runtime": RUNTIME_BYTES[device]}
     if frozen:
-        world = TrainLayout(layout.world)
+        world = TrainLayout(layout.world_size)
         plan["reference/teacher weights"] = sum(
             4 * f.n_params // world.data + _compute_copy(f, world, device, compute_bytes)
             for f in frozen)
@@ -385,7 +375,7 @@ def _compute_copy(shape: ModelShape, layout: TrainLayout, device: str, compute_b
     """The compute-dtype weights beside the fp32 masters at their peak."""
     if compute_bytes >= 4:
         return 0
-    if layout.world == 1:  # no FSDP on one rank: a persistent copy of every weight
+    if layout.world_size == 1:  # no FSDP on one rank: a persistent copy of every weight
         return compute_bytes * (shape.n_params + adapters)
     # FSDP2: two of the rank's layers in flight and the root group (embedding, head)
     layer = shape.rank_layer_params(layout.tensor, layout.expert) + adapters // shape.num_layers
@@ -420,7 +410,7 @@ def plan_run(cfg: Any, shape: ModelShape | None = None, device_bytes: int | None
     plan.trainer = plan_trainer(shape, **inputs)
     colocated = cfg.colocated
     if device == "cpu":  # every process of the run on this machine
-        plan.ranks_per_device = inputs["layout"].world
+        plan.ranks_per_device = inputs["layout"].world_size
         plan.servers_per_device = cfg.rollout.n_servers or 1
     elif colocated:
         plan.servers_per_device = 1
@@ -440,6 +430,15 @@ def plan_run(cfg: Any, shape: ModelShape | None = None, device_bytes: int | None
 def _trainer_inputs(cfg: Any, shape: ModelShape) -> dict[str, Any]:
     """plan_trainer's arguments for the actor of `cfg`."""
     actor = cfg.actor
+    layout = train_layout(actor.backend, cfg.trainer_world_size)
+    # what the trainer refuses when it loads the model (trainer/engine.py)
+    check_expert_split(shape.num_experts, layout.expert, shape.model_type or "this model")
+    if actor.use_lora:
+        check_lora_layout(layout, actor.backend)
+    check_tensor_split(shape.model_type, {"num_attention_heads": shape.num_heads,
+                                          "num_key_value_heads": shape.num_kv_heads,
+                                          "intermediate_size": shape.intermediate_size},
+                       layout.tensor)
     adapters = (shape.lora_params(actor.lora_rank, list(actor.target_modules))
                 if actor.use_lora else 0)
     frozen = []
@@ -448,7 +447,7 @@ def _trainer_inputs(cfg: Any, shape: ModelShape) -> dict[str, Any]:
     if actor.distill_coef != 0:
         frozen.append(ModelShape.of(cfg.teacher.path))
     return dict(device=cfg.cluster.device, tokens_per_mb=actor.mb_spec.max_tokens_per_mb,
-                layout=train_layout(actor.backend, cfg.trainer_world_size),
+                layout=layout,
                 gradient_checkpointing=actor.gradient_checkpointing,
                 compute_bytes=2 if actor.dtype == "bfloat16" else 4, adapters=adapters,
                 frozen=tuple(frozen))
@@ -510,28 +509,26 @@ def _trainer_levers(cfg: Any, shape: ModelShape, inputs: dict[str, Any],
         return sum(plan_trainer(shape, **(inputs | change)).values())
 
     actor, layout, out = cfg.actor, inputs["layout"], []
-    if not shape.num_experts or actor.target_modules != ["all-linear"]:
-        lora_targets = list(actor.target_modules)
-    else:
-        lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     gpu = inputs["device"] == "cuda"  # more ranks on one CPU machine share its memory
     if gpu:
+        # t and e do not combine, and LoRA trains data parallel only
+        split = not inputs["adapters"]
         for letter, valid in (("d", [2 ** k for k in range(1, 11)]),
-                              ("t", _tensor_sizes(shape) if not inputs["adapters"] else []),
-                              ("e", _expert_sizes(shape))):
+                              ("t", _tensor_sizes(shape) if split and layout.expert == 1
+                               else []),
+                              ("e", _expert_sizes(shape) if split and layout.tensor == 1
+                               else [])):
             now = getattr(layout, {"d": "data", "t": "tensor", "e": "expert"}[letter])
             bigger = [n for n in valid if n > now]
             if bigger:
                 out.append(_smallest_that_fits(total, layout, letter, bigger, budget,
                                                _mesh_key(cfg)))
     if not inputs["adapters"]:
-        flat = TrainLayout(layout.data * layout.tensor, 1, layout.expert)
-        adapters = shape.lora_params(actor.lora_rank, lora_targets)
+        flat = TrainLayout(layout.world_size)
+        adapters = shape.lora_params(actor.lora_rank, list(actor.target_modules))
         out.append((f"train LoRA adapters (actor.use_lora=true, lora_rank={actor.lora_rank}"
-                    + (", target_modules=[q_proj,k_proj,v_proj,o_proj]"
-                       if lora_targets != list(actor.target_modules) else "")
                     + (f", {_mesh_key(cfg)(flat)}: LoRA is data parallel"
-                       if layout.tensor > 1 else "") + ")",
+                       if flat != layout else "") + ")",
                     total(adapters=adapters, layout=flat, frozen=inputs["frozen"][1:]
                           if actor.kl_ctl and cfg.ref.path == actor.path  # the base is it
                           else inputs["frozen"])))
@@ -560,19 +557,19 @@ def _smallest_that_fits(total: Any, layout: TrainLayout, letter: str, sizes: lis
     largest), as (the change, the rank's bytes)."""
     field_name = {"d": "data", "t": "tensor", "e": "expert"}[letter]
     for n in sizes:
-        changed = dataclasses.replace(layout, **{field_name: n})
+        changed = layout._replace(**{field_name: n})
         bytes_ = total(layout=changed)
         if bytes_ <= budget:
             break
     what = {"d": "shard over more data groups", "t": "split layers over tensor ranks",
             "e": "split experts over expert ranks"}[letter]
-    return f"{what}: {key(changed)} ({changed.world} ranks)", bytes_
+    return f"{what}: {key(changed)} ({changed.world_size} ranks)", bytes_
 
 
 def _tensor_sizes(shape: ModelShape) -> list[int]:
     """Tensor sizes the trainer can split this model by (whole heads, equal MLP slices);
-    none for MoE models, whose layers trainer/parallel.py does not split."""
-    if shape.num_experts:
+    none for the model types trainer/parallel.py does not split (MoE models among them)."""
+    if shape.model_type not in TENSOR_PARALLEL_MODEL_TYPES:
         return []
     return [t for t in (2, 4, 8) if not (shape.num_heads % t or shape.num_kv_heads % t
                                          or shape.intermediate_size % t)]

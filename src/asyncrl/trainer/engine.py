@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from asyncrl.api import cores, faults
 from asyncrl.api.protocols import LossFn
 from asyncrl.api.types import TensorBatch
+from asyncrl.config.allocation import check_lora_layout
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
 from asyncrl.trainer import checkpoint, experts, lora, parallel
@@ -320,10 +321,7 @@ class FSDPTrainEngine:
         if self.layout.expert_parallel:
             experts.check_model(hf_model, self.layout.expert)  # refused before any other set-up
         if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too
-            if self.layout.tensor_parallel or self.layout.expert_parallel:
-                raise ValueError(f"actor.use_lora=true with actor.backend={self.spec.backend!r} "
-                                 "(tensor or expert parallel) is not supported: use "
-                                 "fsdp:d<N> (data parallel) with LoRA")
+            check_lora_layout(self.layout, self.spec.backend)
             self.lora_config = lora.add_adapters(hf_model, self.spec)
         self._moe = MoeTraining(hf_model, aux_loss_coef=self.spec.router_aux_loss_coef,
                                 replay=self.spec.routing_replay,

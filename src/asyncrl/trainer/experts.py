@@ -38,6 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from asyncrl.config.allocation import check_expert_split
+
 # The fused-experts parameters HF's Qwen3-MoE (and its kin) stack over experts, dim 0.
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -56,16 +58,8 @@ def check_model(hf_model: nn.Module, expert: int) -> int:
     can split them evenly."""
     modules = [m for m in hf_model.modules() if is_experts(m)]
     kind = getattr(hf_model.config, "model_type", type(hf_model).__name__)
-    if not modules:
-        raise ValueError(f"expert parallel training (e{expert} in actor.backend) splits the "
-                         f"experts of a Mixture-of-Experts model, and {kind} has none; use "
-                         "e1 (data parallel: fsdp:d<N>)")
-    n = modules[0].num_experts
-    if n % expert:
-        fits = [e for e in range(1, n + 1) if n % e == 0]
-        raise ValueError(f"expert parallel size e{expert} (actor.backend) must divide the "
-                         f"model's num_experts={n}: each rank holds an equal share; use e in "
-                         f"{fits}")
+    n = modules[0].num_experts if modules else 0
+    check_expert_split(n, expert, kind)
     return n
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncrl.config.engine import TrainEngineSpec
+from asyncrl.config.engine import TrainEngineSpec, moe_adapter_error
 from asyncrl.models import lora as lora_files
 from asyncrl.models import safetensors_file
 
@@ -96,11 +96,7 @@ def _moe_module_names(hf_model: nn.Module) -> set[str]:
 
 
 def _refuse_moe(modules: list[str], names: list[str]) -> None:
-    raise ValueError(f"target_modules={modules} adapts the MoE router or experts "
-                     f"({', '.join(names[:2])}): they take no adapters here (the servers "
-                     "adapt linear layers, and an adapted router would route otherwise than "
-                     "the rollout did); name attention projections (q_proj, k_proj, v_proj, "
-                     "o_proj) or use [all-linear]")
+    raise moe_adapter_error(modules, names)
 
 
 def linear_layer_names(hf_model: nn.Module) -> list[str]:

@@ -75,8 +75,10 @@ class MoeTraining:
         routes = mb.routed_experts
         if routes is None:
             raise ValueError("actor.routing_replay=true, but the batch carries no routed "
-                             "experts: only the local inference backend records them; set "
-                             "actor.routing_replay=false for this rollout backend")
+                             "experts: the local backend records them, and sglang through "
+                             "the controller's own client (scheduler.router=inline); vLLM's "
+                             "are not read. Use one of those or set "
+                             "actor.routing_replay=false")
         layers, k = routes.shape[2], routes.shape[3]
         if layers != len(self.routers) or k != self.routers[0].top_k:
             raise ValueError(f"the batch's routed experts are for {layers} MoE layers of top "

@@ -38,10 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from asyncrl.config.allocation import parse_train_backend
-
-# The HF model types whose decoder layers `layer_plan` knows (module names and head layout).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from asyncrl.config.allocation import check_tensor_split, parse_train_backend
 
 
 @dataclass(frozen=True)
@@ -108,21 +105,10 @@ def data_group(mesh: DeviceMesh | None, layout: Layout) -> Any:
 
 def check_model(config: Any, tensor: int) -> None:
     """Raise, naming the sizes, unless `tensor` ranks can split this model's layers evenly."""
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"tensor parallel training (t{tensor}) knows the decoder layers of "
-                         f"{list(SUPPORTED_MODEL_TYPES)}, not model_type {kind!r}; use t1 in "
-                         "actor.backend")
-    sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size}
-    bad = {name: n for name, n in sizes.items() if n % tensor}
-    if bad:
-        fits = [t for t in range(1, tensor + 1) if all(n % t == 0 for n in sizes.values())]
-        raise ValueError(
-            f"tensor parallel size t{tensor} (actor.backend) must divide the model's "
-            f"{', '.join(f'{k}={v}' for k, v in bad.items())}: each rank takes whole heads "
-            f"and an equal slice of the MLP; use t in {fits}")
+    check_tensor_split(getattr(config, "model_type", None),
+                       {"num_attention_heads": config.num_attention_heads,
+                        "num_key_value_heads": config.num_key_value_heads,
+                        "intermediate_size": config.intermediate_size}, tensor)
 
 
 def layer_plan(layer: nn.Module) -> dict[str, Any]:

@@ -78,3 +78,6 @@ def test_each_cpu_twin_runs_the_same_recipe_on_a_model_of_the_same_proportions(
                 "recompute_logprob"):
         assert getattr(twin.actor, key) == getattr(big.actor, key), key
     assert twin.cluster.device == "cpu" and big.cluster.device == "cuda"
+    # an expert-parallel recipe's twin splits its experts too (over fewer ranks)
+    expert = [c.allocation.trainer_expert_size if c.allocation else 1 for c in (big, twin)]
+    assert (expert[0] > 1) == (expert[1] > 1), expert

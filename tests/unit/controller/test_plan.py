@@ -201,16 +201,22 @@ def test_dense_rank_bytes_under_data_and_tensor_parallelism(layout, held):
     assert plan["activations"] == 2 * 100 * per_token_layer + 3 * 100 * 1000 * 4
 
 
-@pytest.mark.parametrize("layout, held", [
-    (TrainLayout(1, 1, 2), 2 * (12288 + EXPERTS // 2 + MOE_WHOLE) + 128064),  # e2: 178048
-    (TrainLayout(2, 1, 2), 2 * (12288 + EXPERTS // 2 + MOE_WHOLE) + 128064),  # d2e2
-    (TrainLayout(2), MOE_N),  # d2: every expert on every rank before FSDP
+# The rank's share under expert parallelism: half of each layer's experts (2 x 24576 / 2 =
+# 24576), FSDP-sharded over the d ranks holding the same ones; everything else (attention,
+# norms, routers, embeddings: 202624 - 49152 = 153472) FSDP-sharded over all d x e ranks.
+@pytest.mark.parametrize("layout, sharded", [
+    (TrainLayout(1, 1, 2), 24576 + 153472 // 2),  # e2: 101312, MOE_N / 2
+    (TrainLayout(2, 1, 2), 24576 // 2 + 153472 // 4),  # d2e2: 50656, MOE_N / 4
+    (TrainLayout(2), MOE_N // 2),  # d2: every expert on every rank, halved by FSDP
 ])
-def test_moe_rank_bytes_under_expert_parallelism(layout, held):
+def test_moe_rank_bytes_under_expert_parallelism(layout, sharded):
     shape = ModelShape.from_config(_small(moe=True)[0].to_dict())
+    assert 2 * EXPERTS + 153472 == MOE_N
     plan = plan_trainer(shape, layout=layout, device="cuda", tokens_per_mb=100)
-    d = layout.data
-    assert _states(plan) == (4 * held // d, 4 * held // d, 8 * held // d)
+    assert _states(plan) == (4 * sharded, 4 * sharded, 8 * sharded)
+    # the compute copy: two layers gathered, each with the rank's experts, and the root group
+    layer = 12288 + EXPERTS // layout.expert + MOE_WHOLE
+    assert plan["weights (compute copy)"] == 2 * (2 * layer + 2 * 1000 * 64 + 64)
     # per token and layer: 2 B x (4 x 64 + 4 x 4 x 16 + top 2 x (2 x 64 + 4 x 32)) and the
     # router's bf16 logits and fp32 probabilities over 4 experts
     assert shape.activation_bytes_per_token_layer(2) == 2 * (256 + 256 + 512) + 4 * 6 == 2072
@@ -265,27 +271,113 @@ def test_lora_adapters_equal_peft_s_and_train_alone_on_a_frozen_fp32_base():
     assert _states(d2) == (2 * (N + 16384), 2 * 16384, 4 * 16384)
 
 
-def test_lora_on_moe_adapts_the_attention_and_refuses_all_linear():
-    import peft
+def _trainer_lora(model, targets):
+    """trainer/lora.py's adapters on `model` (rank 8): its trainable parameters' count."""
+    from asyncrl.config.engine import TrainEngineSpec
+    from asyncrl.trainer.lora import add_adapters
 
+    add_adapters(model, TrainEngineSpec(path="unused", use_lora=True, lora_rank=8,
+                                        target_modules=tuple(targets)))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"]])
+def test_lora_on_moe_counts_what_the_trainer_trains(targets):
+    pytest.importorskip("peft")
     config, model = _small(moe=True)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    peft.inject_adapter_in_model(peft.LoraConfig(r=8, target_modules=targets), model)
-    by_peft = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     shape = ModelShape.from_config(config.to_dict())
-    assert shape.lora_params(8, targets) == by_peft == 2 * 8 * (128 + 96 + 96 + 128)
-    with pytest.raises(ValueError, match=r"target_modules=\[q_proj,k_proj,v_proj,o_proj\]"):
-        shape.lora_params(8, ["all-linear"])
+    # all-linear on an MoE model: the attention's q, k, v and o of both layers,
+    # 8 x ((64+64) + (64+32) + (64+32) + (64+64)) each
+    by_hand = {"all-linear": 2 * 8 * (128 + 96 + 96 + 128), "q_proj": 2 * 8 * (128 + 96)}
+    assert shape.lora_params(8, targets) == _trainer_lora(model, targets) == by_hand[targets[0]]
 
 
-def test_train_layout_reads_expert_parallelism_and_names_bad_input():
-    assert train_layout("fsdp:d2e4") == TrainLayout(2, 1, 4)
-    assert train_layout("fsdp:d2t2") == TrainLayout(2, 2, 1)
+@pytest.mark.parametrize("targets", [["q_proj", "gate"], ["experts"]])
+def test_lora_on_the_router_or_experts_is_refused_as_the_trainer_refuses_it(targets):
+    pytest.importorskip("peft")
+    config, model = _small(moe=True)
+    with pytest.raises(ValueError) as planned:
+        ModelShape.from_config(config.to_dict()).lora_params(8, targets)
+    with pytest.raises(ValueError) as trained:
+        _trainer_lora(model, targets)
+    assert str(planned.value) == str(trained.value)
+    assert "adapts the MoE router or experts" in str(planned.value)
+
+
+def test_train_layout_is_the_trainer_s_reading_of_actor_backend():
+    from asyncrl.config.allocation import parse_train_backend
+
+    for text, want in (("fsdp:d2e4", (2, 1, 4)), ("fsdp:d2t2", (2, 2, 1)), ("e4d2", (2, 1, 4))):
+        assert train_layout(text) == parse_train_backend(text) == TrainLayout(*want)
     assert train_layout(None, 3) == TrainLayout(3)
-    assert TrainLayout(2, 1, 4).world == 8 and TrainLayout(2, 1, 4).spelling == "fsdp:d2e4"
-    for bad in ("fsdp:d2d2", "fsdp:x4", "fsdp:d0"):
-        with pytest.raises(ValueError, match="actor.backend"):
+    assert TrainLayout(2, 1, 4).world_size == 8 and TrainLayout(2, 1, 4).spelling == "fsdp:d2e4"
+    for bad in ("fsdp:d2t2e2", "fsdp:d2d2", "fsdp:x4", "fsdp:d0"):
+        with pytest.raises(ValueError, match="actor.backend") as planned:
             train_layout(bad)
+        with pytest.raises(ValueError) as trained:
+            parse_train_backend(bad)
+        assert str(planned.value) == str(trained.value)
+    with pytest.raises(ValueError, match="tensor .t2. and expert .e2. parallel training "
+                                         "together are not supported"):
+        load_config(None, [DATA, "actor.backend=fsdp:d2t2e2"])
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from asyncrl.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "m", arch="qwen3_moe")
+
+
+@pytest.mark.parametrize("arch, extra, backend", [
+    ("qwen3_moe", [], "fsdp:d1e3"),  # 8 experts: e3 does not divide them
+    ("llama", [], "fsdp:d1e2"),  # no experts to split
+    ("qwen3_moe", ["actor.use_lora=true"], "fsdp:d1e2"),  # LoRA trains data parallel only
+    ("qwen3_moe", [], "fsdp:d1t2"),  # tensor parallel training splits dense layers only
+    ("llama", [], "fsdp:d1t4"),  # 2 heads: t4 does not divide them
+])
+def test_the_plan_refuses_the_layouts_the_trainer_refuses(tiny_moe, tmp_path, arch,
+                                                                 extra, backend):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config.allocation import check_lora_layout, parse_train_backend
+    from asyncrl.models.tiny import make_tiny_model
+    from asyncrl.trainer import experts, parallel
+
+    path = tiny_moe if arch == "qwen3_moe" else make_tiny_model(tmp_path / "dense")
+    cfg = load_config(None, [DATA, f"actor.path={path}", f"tokenizer_path={path}",
+                             f"actor.backend={backend}", *extra])
+    with pytest.raises(ValueError) as planned:
+        plan_run(cfg, device_bytes=64 * GiB)
+    layout = parse_train_backend(backend)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError) as trained:  # trainer/engine.py's checks, in its order
+        if layout.expert > 1:
+            experts.check_model(model, layout.expert)
+        if "actor.use_lora=true" in extra:
+            check_lora_layout(layout, backend)
+        parallel.check_model(model.config, layout.tensor)
+    assert str(planned.value) == str(trained.value)
+    assert backend[-2:] in str(planned.value)  # names the size: e3, e2, t2, t4
+
+
+def test_the_plan_command_names_a_refused_layout_as_a_config_error(tiny_moe, capsys):
+    code = cli_main(["plan", DATA, f"actor.path={tiny_moe}", f"tokenizer_path={tiny_moe}",
+                     "actor.backend=fsdp:d1e3"])
+    assert code == 2
+    assert "config error: expert parallel size e3 (actor.backend) must divide the model's " \
+        "num_experts=8" in capsys.readouterr().err
+
+
+def test_an_expert_layout_the_trainer_accepts_is_planned(tiny_moe):
+    cfg = load_config(None, [DATA, f"actor.path={tiny_moe}", f"tokenizer_path={tiny_moe}",
+                             "actor.backend=fsdp:d1e4"])
+    shape = ModelShape.of(tiny_moe)
+    plan = plan_run(cfg, device_bytes=64 * GiB)
+    # 1/4 of the experts on each rank, everything else sharded over the 4 ranks
+    experts = shape.num_layers * shape.layer_expert_params()
+    assert plan.trainer["gradients (fp32)"] == 4 * (experts // 4 + (shape.n_params - experts) // 4)
+    assert plan.ranks_per_device == 4  # every rank on this CPU machine
 
 
 def test_a_tensor_parallel_server_holds_its_share_of_the_weights():
@@ -333,4 +425,5 @@ def test_an_moe_run_is_advised_expert_parallelism_not_tensor():
     advice = "\n".join(plan.advice)
     assert "split experts over expert ranks: allocation_mode vllm:d2t2+fsdp:d4e" in advice
     assert "tensor ranks" not in advice
-    assert "target_modules=[q_proj,k_proj,v_proj,o_proj]" in advice
+    # all-linear LoRA on an MoE model adapts the attention, as the trainer does
+    assert "train LoRA adapters (actor.use_lora=true, lora_rank=32): " in advice

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import MicroBatchSpec, OptimizerConfig
+from asyncrl.controller.plan import ModelShape, plan_trainer, train_layout
 from asyncrl.models.tiny import TINY_MOE, make_tiny_model
 from asyncrl.trainer import FSDPTrainEngine
 from asyncrl.trainer.dist import free_port
@@ -97,6 +98,8 @@ def _worker(rank, world, port, path, case, backend, out_dir):
     result = step(engine)
     result["shapes"] = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()
                         if isinstance(p, DTensor) and "experts" in n}
+    result["numel"] = {n: (p.to_local() if isinstance(p, DTensor) else p).numel()
+                       for n, p in engine.model.named_parameters()}
     engine.save_state(os.path.join(out_dir, "state"))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     engine.destroy()
@@ -133,6 +136,7 @@ def test_an_expert_mesh_trains_as_one_rank_does(moe_path, tmp_path, backend, wor
             assert got["shapes"][name] == (per_rank, *grad.shape[1:])
             torch.testing.assert_close(grad, one["grads"][name][r * per_rank:(r + 1) * per_rank],
                                        atol=1e-7, rtol=1e-5)
+    _check_the_plan_s_rank_params(moe_path, backend, ranks)
     published = ranks[0]["params"]
     assert not any(r["params"] for r in ranks[1:])
     assert sorted(published) == sorted(one["params"])
@@ -143,6 +147,24 @@ def test_an_expert_mesh_trains_as_one_rank_does(moe_path, tmp_path, backend, wor
     for name, value in engine.hf_state_dict().items():
         assert torch.equal(value, published[name]), name
     engine.destroy()
+
+
+def _check_the_plan_s_rank_params(path, backend, ranks):
+    """`asyncrl plan`'s parameters per rank (its fp32 gradients / 4) against the numel of
+    each rank's local shards."""
+    shape = ModelShape.of(path)
+    layout = train_layout(backend)
+    planned = plan_trainer(shape, layout=layout, device="cpu",
+                           tokens_per_mb=12)["gradients (fp32)"] // 4
+    world, experts = layout.world_size, shape.rank_expert_params(layout.expert) // layout.data
+    assert experts == LAYERS * EXPERTS * 3 * 64 * 32 // world  # gate, up, down of 64 x 32
+    for got in ranks:
+        # a rank's experts: exactly its 1/e, FSDP-split evenly over the d ranks that hold them
+        assert sum(n for name, n in got["numel"].items() if "experts" in name) == experts
+        # the rest: FSDP2 splits each tensor's rows over the world, the last rank's chunk
+        # shorter where they do not divide, so a rank is within a few rows of 1/world
+        assert abs(sum(got["numel"].values()) - planned) < 0.01 * planned
+    assert sum(sum(got["numel"].values()) for got in ranks) == world * planned == shape.n_params
 
 
 def test_expert_parallel_sizes_are_checked_against_the_model(moe_path, tmp_path):
