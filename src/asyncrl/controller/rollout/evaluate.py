@@ -34,11 +34,15 @@ async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict
     if not trajectories:
         raise RuntimeError(f"evaluation failed on all {len(items)} items; see the log for causes")
     scored = one_per_session(trajectories)
+    # the weight versions the answers were generated with (one, when the weights held still)
+    versions = [v for t in trajectories for v in t.output_versions] or [-1]
     stats = {
         "eval/reward": sum(t.reward for t in scored) / len(scored),
         "eval/n": float(len(scored)),
         "eval/failed": float(failures),
         "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(scored),
+        "eval/version_min": float(min(versions)),
+        "eval/version_max": float(max(versions)),
     }
     return stats, trajectories
 
