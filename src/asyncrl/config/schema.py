@@ -403,7 +403,7 @@ class HealthConfig:
     """Warnings while the run goes that it cannot learn: flat or constant rewards, answers
     cut at gconfig.max_new_tokens, a reward function that raises (controller/health.py)."""
 
-    enabled: bool = True
+    enabled: bool = True  # false: no checks, no warnings
     # Consecutive steps a condition must hold before its warning (once per condition). A
     # reward function raising for most episodes warns at its first step.
     steps: int = 3
