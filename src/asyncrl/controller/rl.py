@@ -159,8 +159,12 @@ class RLTrainer:
         self.saver = Periodic(cfg.saver, steps_per_epoch)
         self.checkpointer = Periodic(cfg.recover, steps_per_epoch)
         self.evaluator = Periodic(cfg.evaluator, steps_per_epoch)
+        norm = cfg.actor.reward_norm
+        # Flat groups give no gradient when each reward is centred on its group's mean and no
+        # critic adds advantages of its own.
+        group_baseline = norm is not None and norm.mean_level == "group" and cfg.critic is None
         self.health = (HealthMonitor(cfg.health.steps, max_new_tokens=cfg.gconfig.max_new_tokens,
-                                     group_baseline=cfg.actor.reward_norm.mean_level == "group")
+                                     group_baseline=group_baseline)
                        if cfg.health.enabled else None)
         self.summary: dict[str, Any] = {"run_dir": str(paths.root)}
         self._running_evals: list[_Evaluation] = []  # started, not logged yet; oldest first
