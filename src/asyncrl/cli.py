@@ -70,6 +70,8 @@ def print_summary(summary: dict) -> None:
     if after is not None:
         print(f"held-out reward after training : {after:.4f}"
               + (f"  ({after - before:+.4f})" if before is not None else ""))
+    for finding in summary.get("health", []):
+        print(f"WARNING, the run cannot learn: {finding}")
     for key in ("stats", "reward_curve", "timeline"):
         if key in summary:
             print(f"{key:14s}: {summary[key]}")

@@ -56,15 +56,47 @@ def test_two_async_steps_end_to_end(tmp_path, tiny_model):
     assert len(samples) == eval_rows[-1]["eval/n"] and {"question", "completion"} <= set(samples[0])
     assert (run / "weights" / "v2").is_dir()  # the last published version
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
-    # The first evaluation runs while the first batch is gathered, and ends before the
-    # first publish changes the weights it reads.
+    # The first evaluation starts while the first batch is gathered, and the servers keep
+    # the initial weights until it has ended (every token it generated is of version 0).
     spans = read_timeline(run / "timeline.jsonl")
     evals = [s for s in spans if s["lane"] == "evaluator"]
-    first_wait, first_publish = (next(s for s in spans if s["lane"] == "trainer"
-                                      and s["kind"] == kind) for kind in ("wait", "publish"))
+    first_wait = next(s for s in spans if s["lane"] == "trainer" and s["kind"] == "wait")
     assert len(evals) == 2
-    assert first_wait["t0"] < evals[0]["t1"] <= first_publish["t0"]
+    assert evals[0]["t0"] < first_wait["t1"]
+    assert [(r["eval/version_min"], r["eval/version_max"]) for r in eval_rows] == [(0, 0), (2, 2)]
     assert not server_pids(tiny_model), "an inference server outlived its run"
+
+
+def test_scheduled_evaluations_read_the_weights_of_their_step(tmp_path, tiny_model):
+    # evaluator.freq_steps=1 over 3 steps: before training (0), after steps 1 and 2, and
+    # after training (3); each overlaps the next step and must read only its step's weights
+    summary = train(_config(tmp_path, tiny_model, eta=1, steps=3, extra=[
+        "evaluator.freq_steps=1"]))
+    run = Path(summary["run_dir"])
+    evals = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]
+    # the servers stamp each generated token with the version of the weights that made it
+    assert [(r["eval/version_min"], r["eval/version_max"]) for r in evals] == [
+        (0, 0), (1, 1), (2, 2), (3, 3)]
+    assert sorted(p.name for p in (run / "eval").iterdir()) == [
+        "step0.jsonl", "step1.jsonl", "step2.jsonl", "step3.jsonl"]
+    assert [summary[f"eval_step{s}"] for s in (1, 2)] == [r["eval/reward"] for r in evals[1:3]]
+    # each is logged when the load it held back is settled, a step later (the trainer
+    # trained on meanwhile): eval 0 after train step 1, eval 1 after step 2, and so on
+    order = [(r["kind"], r["step"]) for r in read_stats(run / "stats.jsonl")]
+    assert order == [("train", 1), ("eval", 0), ("train", 2), ("eval", 1), ("train", 3),
+                     ("eval", 2), ("eval", 3)]
+
+
+def test_a_reward_that_is_always_zero_is_reported_within_n_plus_one_steps(tmp_path,
+                                                                          tiny_model):
+    summary = train(_config(tmp_path, tiny_model, eta=1, steps=3, extra=[
+        "workflow.reward_fn=toy_rewards:always_zero", "health.steps=2",
+        "evaluator.before_training=false", "evaluator.after_training=false"]))
+    constant = [f for f in summary["health"] if "every sample got reward 0" in f]
+    # it holds from step 1, warns at step 2 (health.steps) and goes on to the last step
+    assert len(constant) == 1 and constant[0].startswith("steps 1-3: ")
+    assert "One sample: prompt ...'" in constant[0]  # what the model saw and wrote
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):

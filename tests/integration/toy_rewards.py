@@ -56,3 +56,8 @@ def first_word(completion: str) -> str | None:
     """The completion's first whitespace-separated word (an answer to vote over), or None."""
     words = completion.split()
     return words[0] if words else None
+
+
+def always_zero(completion: str, item: dict) -> float:
+    """0.0 for every answer: a reward that cannot tell answers apart."""
+    return 0.0

@@ -401,6 +401,21 @@ class EvaluatorConfig:
     max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens
 
 
+@dataclass(kw_only=True)
+class HealthConfig:
+    """Warnings while the run goes that it cannot learn: flat or constant rewards, answers
+    cut at gconfig.max_new_tokens, a reward function that raises (controller/health.py)."""
+
+    enabled: bool = True  # false: no checks, no warnings
+    # Consecutive steps a condition must hold before its warning (once per condition). A
+    # reward function raising for most episodes warns at its first step.
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, f"health.steps must be >= 1, got {self.steps}; "
+               "turn the checks off with health.enabled=false")
+
+
 WandBMode = Literal["disabled", "online", "offline", "shared"]
 SwanlabMode = Literal["disabled", "cloud", "local", "offline"]
 _WANDB_MODES: tuple[str, ...] = WandBMode.__args__  # type: ignore[attr-defined]
@@ -520,6 +535,8 @@ class ExperimentConfig:
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     # Where each step's stats go: <run>/stats.jsonl, TensorBoard, the progress bar, trackers.
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    # Warnings that the run cannot learn, in the log and the final summary.
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         _check(self.total_train_epochs >= 1, f"total_train_epochs must be >= 1, got {self.total_train_epochs}")

@@ -8,10 +8,13 @@ publishes the new weights to the servers (which switch mid-generation) and logs.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from asyncrl.api import Batch, Trainer, faults
 from asyncrl.config import ExperimentConfig, to_yaml
 from asyncrl.controller import recover
 from asyncrl.controller.agents import AgentRuntime
+from asyncrl.controller.health import HealthMonitor, step_signals
 from asyncrl.controller.launch import launch
 from asyncrl.controller.rollout import (
     RolloutController,
@@ -56,6 +60,8 @@ from asyncrl.weights import WeightPublisher, make_publisher, transfer_backend
 logger = logging.getLogger(__name__)
 # Seconds between health checks of the servers while the trainer waits for a batch.
 SERVER_CHECK_S = 5.0
+# How often an evaluation waiting for a weight version checks whether the servers hold it.
+VERSION_POLL_S = 0.01
 # The step's sections drawn on the trainer's lane of timeline.png.
 STEP_KINDS = {"wait_batch_s": "wait", "train_s": "train", "publish_s": "publish"}
 
@@ -154,7 +160,15 @@ class RLTrainer:
         self.saver = Periodic(cfg.saver, steps_per_epoch)
         self.checkpointer = Periodic(cfg.recover, steps_per_epoch)
         self.evaluator = Periodic(cfg.evaluator, steps_per_epoch)
+        norm = cfg.actor.reward_norm
+        # Flat groups give no gradient when each reward is centred on its group's mean and no
+        # critic adds advantages of its own.
+        group_baseline = norm is not None and norm.mean_level == "group" and cfg.critic is None
+        self.health = (HealthMonitor(cfg.health.steps, max_new_tokens=cfg.gconfig.max_new_tokens,
+                                     group_baseline=group_baseline)
+                       if cfg.health.enabled else None)
         self.summary: dict[str, Any] = {"run_dir": str(paths.root)}
+        self._running_evals: list[_Evaluation] = []  # started, not logged yet; oldest first
 
     def _make_publisher(self) -> Any:
         """This process carries the versions: from its inline rank or the ranks' service."""
@@ -183,7 +197,7 @@ class RLTrainer:
     def train(self) -> dict[str, Any]:
         """The loop: batch -> proximal log-probs -> advantages -> step -> publish -> log."""
         step = self._start()
-        pending_eval = self._first_evaluation(step)
+        self._evaluate_beside(step, first=True)
         bar = ProgressBar(self.total_steps, initial=step,
                           enabled=self.cfg.stats_logger.progress_bar)
         while step < self.total_steps:
@@ -193,23 +207,25 @@ class RLTrainer:
                 batch, stats = self._next_batch()
             with timer("train_s"):
                 stats |= self._train_step(batch)
-            if pending_eval is not None:  # the first evaluation ends before the first publish
-                pending_eval()
-                pending_eval = None
+            with timer("eval_wait_s"):
+                reading = self._evaluations_before_publish()
             with timer("publish_s"):
                 stats |= self.versions.settle()  # the previous version's load, if still on
-                stats |= self.versions.publish(step + 1)
+                stats |= self.versions.publish(step + 1, after=reading)
             step += 1
             self.supervisor.restart_dead()
             stats |= _throughput(batch, timer.stats()) | self.supervisor.stats()
             stats |= self._agent_stats()
             _record_batch(self.paths.root / "batches.jsonl", step, batch)
-            _record_failures(self.paths.root / "failures.jsonl", step, self.rollout.take_failures())
+            failures = self.rollout.take_failures()
+            _record_failures(self.paths.root / "failures.jsonl", step, failures)
+            self._check_health(step, batch, failures)
             self.stats.log(step, stats)
             bar.update(stats)
             self._periodic(step)
+            self._evaluate_beside(step)
         bar.close()
-        return self._finish(step, pending_eval)
+        return self._finish(step)
 
     def _start(self) -> int:
         """Restore the checkpoint (if resuming), start the rollout and the agent proxy, give
@@ -225,15 +241,49 @@ class RLTrainer:
         self.rollout.resume()
         return step
 
-    def _first_evaluation(self, step: int) -> Callable[[], None] | None:
-        """The evaluation before training, started: it runs beside the first batch's rollout
-        and training step (both read the initial weights), leaving the batch's samples their
-        slots on the server; the first publish waits for it."""
-        if step > 0 or not self.cfg.evaluator.before_training or not self.valid_items:
-            return None
+    def _evaluate_beside(self, step: int, *, first: bool = False) -> None:
+        """Start the evaluation due after `step` (`first`: the one before training), beside
+        the training. It reads the weights of `step`: it starts once the servers hold them
+        and they keep them until it ends; the trainer goes on meanwhile (see
+        `_evaluations_before_publish`). The last step is `evaluator.after_training`'s."""
+        if not self.valid_items:
+            return
+        if first:
+            if step > 0 or not self.cfg.evaluator.before_training:
+                return
+            name = "eval_before"
+        elif step < self.total_steps and self.evaluator.due(step, time.monotonic()):
+            name = f"eval_step{step}"
+        else:
+            return
+        # The servers' batch less one training batch's samples: the rollout keeps its slots.
         batch_samples = self.cfg.rollout.consumer_batch_size * self.cfg.gconfig.n_samples
-        return self._start_evaluate(step, "eval_before", concurrency=max(
-            1, self.cfg.local_engine.max_batch_size - batch_samples))
+        self._running_evals.append(self._start_evaluate(
+            step, name, version=step,
+            concurrency=max(1, self.cfg.local_engine.max_batch_size - batch_samples)))
+
+    def _evaluations_before_publish(self) -> concurrent.futures.Future | None:
+        """Log the evaluations that the coming settle or publish would change the weights of
+        (waiting for them); the one the coming publish's load must wait for, if any.
+
+        With overlapped loads an evaluation of version v holds back the load of v + 1 (the
+        trainer trains on) and is waited for only when that load is settled, one step later:
+        it has two training steps to run beside. Otherwise the publish of v + 1 waits for it."""
+        keep = []
+        for evaluation in self._running_evals:
+            if evaluation.holds_load or not self.versions.overlap:
+                evaluation.finish()
+            else:
+                evaluation.holds_load = True
+                keep.append(evaluation)
+        self._running_evals = keep
+        return keep[0].future if keep else None
+
+    def _check_health(self, step: int, batch: Batch, failures: list[dict[str, Any]]) -> None:
+        """Warn when the batch says the run cannot learn (controller/health.py)."""
+        if self.health is not None:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            self.health.observe(step_signals(step, list(batch), failures, decode))
 
     def _train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train(batch.to_tensors(self.tokenizer.pad_token_id or 0))
@@ -265,25 +315,29 @@ class RLTrainer:
             self.versions.wait_loaded()  # the rollout's state at `step`
             recover.save_checkpoint(self.paths.recover, trainer=self.trainer,
                                     rollout=self.rollout, trainer_state={"step": step})
-        if self.valid_items and self.evaluator.due(step, now) and step < self.total_steps:
-            self.versions.wait_loaded()  # evaluate the weights of `step`
-            self._evaluate(step, f"eval_step{step}")
 
     def _evaluate(self, step: int, name: str) -> None:
-        self._start_evaluate(step, name)()
+        self._start_evaluate(step, name).finish()
 
-    def _start_evaluate(self, step: int, name: str,
-                        concurrency: int | None = None) -> Callable[[], None]:
-        """Start evaluating on the rollout loop; the returned call waits and logs it.
-        `concurrency`: items in flight (default: a server's batch, local_engine's)."""
+    def _start_evaluate(self, step: int, name: str, concurrency: int | None = None,
+                        version: int | None = None) -> _Evaluation:
+        """Start evaluating on the rollout loop; `finish` on the result waits and logs it.
+        `concurrency`: items in flight (default: a server's batch, local_engine's).
+        `version`: start once the servers hold it (a load of it may still run)."""
         async def timed() -> EvalResult:
+            while version is not None and self.rollout.version < version:
+                await asyncio.sleep(VERSION_POLL_S)
             with self.timeline.span("evaluator", "eval"):
                 return await evaluate(
                     self.engine, self.eval_workflow, self.valid_items,
                     concurrency=concurrency or self.cfg.local_engine.max_batch_size)
 
         future = self.rollout.submit_coroutine(timed())
-        return lambda: self._log_evaluation(step, name, future.result())
+
+        def finish() -> None:
+            self._log_evaluation(step, name, future.result())
+
+        return _Evaluation(future, finish)
 
     def _log_evaluation(self, step: int, name: str, result: EvalResult) -> None:
         stats, trajectories = result.stats, result.trajectories
@@ -303,10 +357,11 @@ class RLTrainer:
         logger.info("resumed from %s at step %d", self.paths.recover, step)
         return step
 
-    def _finish(self, step: int, pending_eval: Callable[[], None] | None) -> dict[str, Any]:
+    def _finish(self, step: int) -> dict[str, Any]:
         """Wait for what still runs, evaluate the final weights, draw the pictures."""
-        if pending_eval is not None:  # no step ran (total_train_steps reached already)
-            pending_eval()
+        for evaluation in self._running_evals:
+            evaluation.finish()
+        self._running_evals = []
         self.versions.settle()
         self.rollout.pause()
         if self.cfg.evaluator.after_training and self.valid_items:
@@ -320,6 +375,8 @@ class RLTrainer:
                 png = plot_timeline(self.timeline.path, root / "timeline.png", title=title)
                 self.summary["timeline"] = str(png)
         self.summary["stats"] = str(root / "stats.jsonl")
+        if self.health is not None:
+            self.summary["health"] = [str(f) for f in self.health.findings]
         return self.summary
 
     def close(self) -> None:
@@ -330,6 +387,15 @@ class RLTrainer:
         self.stats.close()
         self.versions.close()
         self.trainer.destroy()
+
+
+@dataclass
+class _Evaluation:
+    """An evaluation running on the rollout loop; `finish` waits for it and logs it."""
+
+    future: concurrent.futures.Future
+    finish: Callable[[], None]
+    holds_load: bool = False  # the servers' next load waits for it
 
 
 def _inference_client(cfg: ExperimentConfig, addresses: list[str], router: str | None,

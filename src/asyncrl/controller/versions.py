@@ -3,11 +3,13 @@
 A version is published (saved or sent by the trainer, loaded by every server) and then
 announced: the agent service and the rollout learn it, and episodes of the new version may
 start. With overlap (`actor.weight_update_overlap`, disk mode, the trainer inline) the
-servers load on the rollout loop while the trainer trains the next step.
+servers load on the rollout loop while the trainer trains the next step; a load may wait
+for an evaluation that reads the weights the servers hold.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -36,14 +38,20 @@ class VersionSync:
         self._loading: tuple[int, concurrent.futures.Future] | None = None
         self._load_stats: dict[str, float] = {}
 
-    def publish(self, version: int, overlap: bool | None = None) -> dict[str, float]:
+    def publish(self, version: int, overlap: bool | None = None,
+                after: concurrent.futures.Future | None = None) -> dict[str, float]:
         """Publish `version`: save it, have every server load it, announce it. With overlap
         the load and the announcement run on the rollout loop (`settle` waits for them);
         otherwise here. If the load failed because servers died, restart them and load once
-        more (they come back at the previous version, then load this one)."""
+        more (they come back at the previous version, then load this one).
+
+        `after`: work that reads the weights the servers hold (an evaluation); the load
+        starts when it has ended (however it ended)."""
         overlap = self.overlap if overlap is None else overlap
         self.version = version
         if not overlap:
+            if after is not None:
+                concurrent.futures.wait([after])
             try:
                 stats = self.publisher.publish(self.trainer, version=version)
             except WeightUpdateError as e:
@@ -57,6 +65,8 @@ class VersionSync:
         stats = self.publisher.save(self.trainer, version)
 
         async def load_and_announce() -> float:
+            if after is not None:
+                await asyncio.wait([asyncio.wrap_future(after)])
             t0 = time.monotonic()
             await self.publisher.load(version)
             if self.agents is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from asyncrl.observe.stats import read_stats
 
@@ -17,6 +18,19 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def reward_curve_series(rows: list[dict[str, Any]], *, window: int = 5
+                        ) -> dict[str, tuple[list[int], list[float]]]:
+    """The reward curve's series, (steps, rewards) each, from stats.jsonl rows: "train"
+    (the batch's reward per step), "train_mean" (its `window`-step running mean) and
+    "held_out" (greedy reward at each evaluation, at the step of the weights it read)."""
+    train = [r for r in rows if r["kind"] == "train" and r.get("rollout/reward") is not None]
+    evals = [r for r in rows if r["kind"] == "eval" and r.get("eval/reward") is not None]
+    steps = [r["step"] for r in train]
+    rewards = [r["rollout/reward"] for r in train]
+    return {"train": (steps, rewards), "train_mean": (steps, _smooth(rewards, window)),
+            "held_out": ([r["step"] for r in evals], [r["eval/reward"] for r in evals])}
+
+
 def plot_reward_curve(stats_path: Path, out_path: Path, *, title: str = "") -> Path:
     """Training reward per step (raw and smoothed) and held-out reward at each evaluation."""
     import matplotlib
@@ -24,18 +38,13 @@ def plot_reward_curve(stats_path: Path, out_path: Path, *, title: str = "") -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_stats(stats_path)
-    train = [r for r in rows if r["kind"] == "train" and r.get("rollout/reward") is not None]
-    evals = [r for r in rows if r["kind"] == "eval" and r.get("eval/reward") is not None]
+    series = reward_curve_series(read_stats(stats_path))
     fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        steps = [r["step"] for r in train]
-        rewards = [r["rollout/reward"] for r in train]
-        ax.plot(steps, rewards, color="tab:blue", alpha=0.3, label="train reward")
-        ax.plot(steps, _smooth(rewards, 5), color="tab:blue", label="train reward (5-step mean)")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-",
-                color="tab:red", label="held-out reward (greedy)")
+    if series["train"][0]:
+        ax.plot(*series["train"], color="tab:blue", alpha=0.3, label="train reward")
+        ax.plot(*series["train_mean"], color="tab:blue", label="train reward (5-step mean)")
+    if series["held_out"][0]:
+        ax.plot(*series["held_out"], "o-", color="tab:red", label="held-out reward (greedy)")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_title(title or "reward")

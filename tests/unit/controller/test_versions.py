@@ -3,6 +3,8 @@ after the dead servers were restarted, and the announcement order."""
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 
 import pytest
 
@@ -123,3 +125,49 @@ def test_without_overlap_publish_waits_and_retries_after_a_restart():
     sync.overlap = True
     sync.publish(2, overlap=False)
     assert publisher.calls[-1] == ("publish", 2) and rollout.versions == [1, 2]
+
+
+class _LoopRollout(_Rollout):
+    """Runs coroutines on an event loop in a thread, as the rollout controller does."""
+
+    def __init__(self):
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit_coroutine(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.mark.parametrize("outcome", ["ends", "fails"])
+def test_an_overlapped_load_waits_for_the_work_reading_the_held_weights(outcome):
+    publisher, rollout = _Publisher(), _LoopRollout()
+    sync = VersionSync(publisher, "trainer", rollout, _Supervisor(1), overlap=True)
+    evaluation = concurrent.futures.Future()
+    try:
+        assert sync.publish(2, after=evaluation) == {"perf/save_s": 0.25}  # not waiting
+        time.sleep(0.1)
+        assert publisher.calls == [("save", 2)] and rollout.versions == []  # held back
+        if outcome == "ends":
+            evaluation.set_result(0.5)
+        else:
+            evaluation.set_exception(RuntimeError("evaluation failed on all 4 items"))
+        sync.settle()
+        assert publisher.calls == [("save", 2), ("load", 2)] and rollout.versions == [2]
+    finally:
+        rollout.close()
+
+
+def test_without_overlap_publish_waits_for_the_work_reading_the_held_weights():
+    publisher, done = _Publisher(), []
+    sync, rollout, _ = _sync(publisher, overlap=False)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        evaluation = pool.submit(lambda: (time.sleep(0.1), done.append("evaluation")))
+        sync.publish(1, after=evaluation)
+        done.append("publish")
+    assert done == ["evaluation", "publish"] and publisher.calls == [("publish", 1)]

@@ -129,11 +129,15 @@ def _score(item: dict[str, Any], trajectories: list[Trajectory], ks: Sequence[in
 def _stats(scored: list[ItemScore], trajectories: list[Trajectory], failures: int,
            ks: Sequence[int]) -> dict[str, float]:
     samples = [r for s in scored for r in s.rewards]
+    # the weight versions the answers were generated with (one, when the weights held still)
+    versions = [v for t in trajectories for v in t.output_versions] or [-1]
     stats = {
         "eval/reward": sum(samples) / len(samples),
         "eval/n": float(len(scored)),
         "eval/failed": float(failures),
         "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(samples),
+        "eval/version_min": float(min(versions)),
+        "eval/version_max": float(max(versions)),
     }
     for name in scored[0].scores:
         stats[f"eval/{name}"] = sum(s.scores[name] for s in scored) / len(scored)
