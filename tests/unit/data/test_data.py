@@ -295,4 +295,5 @@ def test_a_gzipped_jsonl_file_loads_as_humaneval_ships_it(tmp_path):
     with gzip.open(path, "wt") as f:
         f.write(json.dumps(row) + "\n")
     [item] = load_dataset(DatasetConfig(path=str(path)))
-    assert (item["id"], item["question"], item["task"]) == ("HumanEval/0", "def f():\n", "HumanEval")
+    assert (item["id"], item["question"], item["task"]) == \
+        ("HumanEval/0", "def f():\n", "HumanEval")
