@@ -184,7 +184,7 @@ def _eval(args: argparse.Namespace) -> int:
         defaults = {"data": dataset.path, "split": dataset.split, "size": dataset.size,
                     "seed": dataset.seed, "task_kwargs": dataset.task_kwargs,
                     "reward": cfg.workflow.reward_fn, "system_prompt": cfg.workflow.system_prompt,
-                    "few_shot": cfg.workflow.few_shot,
+                    "few_shot": cfg.workflow.few_shot, "stop": cfg.gconfig.stop or None,
                     "max_tokens": cfg.evaluator.max_new_tokens or cfg.gconfig.max_new_tokens}
 
     def pick(name: str, fallback):
@@ -218,7 +218,7 @@ def _eval(args: argparse.Namespace) -> int:
             reward_fn=pick("reward", "gsm8k"), answer_fn=args.answer_fn,
             system_prompt=pick("system_prompt", None), few_shot=few_shot,
             chat_template=args.chat_template, n=args.n or max(ks), ks=ks,
-            temperature=args.temperature, top_p=args.top_p,
+            temperature=args.temperature, top_p=args.top_p, stop=pick("stop", []),
             max_tokens=pick("max_tokens", 256), concurrency=args.concurrency,
             limit=args.limit, pass_threshold=args.pass_threshold, seed=args.seed,
             device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
@@ -375,6 +375,9 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=None, help="per answer (default: 256)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="a stop string (repeat for several): an answer ends once its text "
+                        "holds one, the string kept (our engine)")
     p.add_argument("--concurrency", type=int, default=32, help="items in flight")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
     p.add_argument("--pass-threshold", type=float, default=1.0,

@@ -9,13 +9,22 @@ gives its tests in one of two forms:
   after the program, in one sandboxed process; the reward is the share that run without
   raising.
 
-The program is the completion's last fenced ```python block when it has one, else the
-whole completion. When it does not define the item's entry point, it is the item's
-"prompt" followed by the completion (HumanEval's format: the model continues the prompt).
+The program is the completion's last fenced ```python block that defines the item's entry
+point (else its last fenced block; with none, the whole completion). When it does not
+define the entry point, it is the item's "prompt" followed by the completion (HumanEval's
+format: the model continues the prompt).
 
-The program runs in the tests' process, as in HumanEval's own harness: code that exits 0
-before the tests run (or prints the pass marks, whose name is drawn per run) passes.
-Training against this reward should check for such programs.
+The program runs in the tests' process, as in HumanEval's own harness. A test counts as
+passed only when the run prints a mark after it, a name drawn per run: a program that
+exits early (`sys.exit(0)`, `os._exit(0)`) passes nothing, in either form. What the mark
+does not stop is a program that reads it from its own process (its frames, or
+/proc/self/cmdline, which the sandbox lets it read); training against this reward at scale
+should still look at what the high-reward programs do.
+
+`code_reward` returns (share, info): info records the sandbox's limits (`limits`: CPU and
+wall seconds, memory MB, processes, file MB, network), the fences in force (`isolation`,
+see agents/sandbox.py), and the run's tests, passes, exit code and timeout; the RLVR
+workflow keeps it in each trajectory's meta as "reward_info".
 
 It lives beside the sandbox (agents/) because the reward layer sits below it; the reward
 registry names it by module path.
@@ -24,6 +33,7 @@ registry names it by module path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import secrets
 from typing import Any
@@ -31,7 +41,8 @@ from typing import Any
 from asyncrl.agents.sandbox import Sandbox, SandboxLimits, SandboxResult
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-# Per test in the "tests" form: run it, print a mark if it did not raise.
+# Per test in the "tests" form: run it, print a mark if it did not raise. Each mark starts
+# a line of its own, even after output that did not end with one.
 _RUN_TESTS = """
 import sys as _sys
 for _i, _src in enumerate({tests!r}):
@@ -40,34 +51,56 @@ for _i, _src in enumerate({tests!r}):
     except BaseException as _e:
         print(f"test {{_i}} failed: {{type(_e).__name__}}: {{_e}}", file=_sys.stderr)
     else:
-        print({mark!r}, _i, flush=True)
+        print("\\n" + {mark!r}, _i, flush=True)
+"""
+# HumanEval's form: the mark after check(...) returns.
+_RUN_CHECK = """
+check({entry})
+print("\\n" + {mark!r}, 0, flush=True)
 """
 DEFAULT_LIMITS = SandboxLimits(cpu_s=5.0, wall_s=10.0, memory_mb=1024)
 
 
-def extract_program(completion: str) -> str:
-    """The last fenced python block of `completion`, or all of it when it has none."""
+def _defines(program: str, entry: str) -> bool:
+    return re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", program, re.MULTILINE) is not None
+
+
+def extract_program(completion: str, entry_point: str | None = None) -> str:
+    """The last fenced python block of `completion` that defines `entry_point` (else its last
+    fenced block; with none, all of it): a usage example after the function is not the
+    program."""
     blocks = _FENCE.findall(completion)
+    if entry_point:
+        defining = [b for b in blocks if _defines(b, entry_point)]
+        blocks = defining or blocks
     return blocks[-1] if blocks else completion
 
 
 def build_program(completion: str, item: dict[str, Any]) -> str:
     """The code under test: the completion's program, after the item's prompt when the
     program does not define the entry point itself."""
-    program = extract_program(completion)
     entry = item.get("entry_point")
-    if entry and not re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", program, re.MULTILINE):
+    program = extract_program(completion, entry)
+    if entry and not _defines(program, entry):
         return item.get("prompt", "") + program
     return program
 
 
+def _humaneval_form(item: dict[str, Any]) -> bool:
+    return "test" in item and "entry_point" in item
+
+
 def test_script(completion: str, item: dict[str, Any],
                 mark: str = "passed") -> tuple[str, int]:
-    """(the script to run, how many tests it holds) for `item`'s tests in either form; in
-    the "tests" form each test that passes prints `mark` and its index."""
+    """(the script to run, how many tests it holds) for `item`'s tests in either form; each
+    test that passes prints `mark` and its index on a line of its own."""
     program = build_program(completion, item)
-    if "test" in item and "entry_point" in item:
-        return f"{program}\n\n{item['test']}\n\ncheck({item['entry_point']})\n", 1
+    if _humaneval_form(item):
+        entry = item["entry_point"]
+        if not isinstance(entry, str) or not entry.isidentifier():
+            raise ValueError(f"item {item.get('id', '?')!r}: entry_point {entry!r} is not a "
+                             "Python name")
+        return f"{program}\n\n{item['test']}\n{_RUN_CHECK.format(entry=entry, mark=mark)}", 1
     tests = item.get("tests")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         raise ValueError(f"item {item.get('id', '?')!r} has no tests: give HumanEval's 'test' "
@@ -75,27 +108,37 @@ def test_script(completion: str, item: dict[str, Any],
     return f"{program}\n{_RUN_TESTS.format(tests=tests, mark=mark)}", len(tests)
 
 
-def passed_share(result: SandboxResult, n_tests: int, *, single: bool,
-                 mark: str = "passed") -> float:
-    """The share of tests a sandboxed run passed: the run's success for one `check`, else
-    the marks it printed (a run killed half-way keeps the tests it passed before)."""
-    if single:
-        return 1.0 if result.ok else 0.0
-    passed = {line.split()[1] for line in result.stdout.splitlines()
-              if line.startswith(mark + " ")}
-    return len(passed) / n_tests
+def passed_share(result: SandboxResult, n_tests: int, mark: str = "passed") -> float:
+    """The share of tests a sandboxed run passed: the marks it printed (a run killed half-way
+    keeps the tests it passed before)."""
+    return _passed(result, n_tests, mark) / n_tests
+
+
+def _passed(result: SandboxResult, n_tests: int, mark: str) -> int:
+    indices = {line.split()[1] for line in result.stdout.splitlines()
+               if line.startswith(mark + " ") and len(line.split()) == 2}
+    return len(indices & {str(i) for i in range(n_tests)})
+
+
+def sandbox_record(limits: SandboxLimits, result: SandboxResult) -> dict[str, Any]:
+    """What fenced a run and how it ended, as JSON-ready values."""
+    return {"limits": dataclasses.asdict(limits), "isolation": list(result.isolation),
+            "exit_code": result.exit_code, "timed_out": result.timed_out,
+            "duration_s": round(result.duration_s, 3)}
 
 
 async def score_code(completion: str, item: dict[str, Any], *,
-                     limits: SandboxLimits = DEFAULT_LIMITS) -> float:
-    """The share of `item`'s tests that `completion` passes, run in the sandbox."""
+                     limits: SandboxLimits = DEFAULT_LIMITS) -> tuple[float, dict[str, Any]]:
+    """(the share of `item`'s tests that `completion` passes, run in the sandbox; the run's
+    record: limits, isolation, tests, passed, exit code)."""
     mark = f"passed-{secrets.token_hex(8)}"
     script, n_tests = test_script(completion, item, mark)
     result = await Sandbox(limits).run_python(script)
-    return passed_share(result, n_tests, single="test" in item and "entry_point" in item,
-                        mark=mark)
+    passed = _passed(result, n_tests, mark)
+    return passed / n_tests, {"tests": n_tests, "passed": passed,
+                              **sandbox_record(limits, result)}
 
 
-def code_reward(completion: str, item: dict[str, Any]) -> float:
+def code_reward(completion: str, item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """The reward function: `score_code` with the default limits (see the module doc)."""
     return asyncio.run(score_code(completion, item))

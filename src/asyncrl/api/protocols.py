@@ -119,7 +119,10 @@ class Workflow(Protocol):
 
 
 class RewardFn(Protocol):
-    """Score one completion. Raise on failure: a failure is reported, never scored 0."""
+    """Score one completion. Raise on failure: a failure is reported, never scored 0.
+    A (value, info) pair adds a JSON-serialisable record of how the value was computed,
+    which the workflow keeps in the trajectory's meta as "reward_info"."""
 
-    def __call__(self, completion: str, item: dict[str, Any]) -> float: ...
+    def __call__(self, completion: str,
+                 item: dict[str, Any]) -> float | tuple[float, dict[str, Any]]: ...
 

@@ -65,6 +65,7 @@ class EvalSpec:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)  # stop strings, as gconfig.stop
     concurrency: int = 32
     limit: int | None = None  # the first `limit` items
     pass_threshold: float = 1.0  # a sample with reward >= this counts as correct
@@ -98,7 +99,7 @@ class EvalSpec:
     def gconfig(self) -> GenerationConfig:
         return GenerationConfig(n_samples=self.n, max_new_tokens=self.max_tokens,
                                 greedy=self.temperature == 0, temperature=self.temperature,
-                                top_p=self.top_p)
+                                top_p=self.top_p, stop=list(self.stop))
 
     def answer_function(self) -> Any:
         name = self.answer_fn or (self.reward_fn if self.reward_fn in BUILTIN_ANSWER_FNS

@@ -12,6 +12,7 @@ An item is a plain, picklable dict:
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -97,7 +98,8 @@ def load_generated(spec: str, *, size: int, seed: int, **kwargs: Any) -> list[di
 
 def load_jsonl(path: str | Path, *, limit: int | None = None, task: str | None = None,
                bad_rows: str = "skip") -> list[dict[str, Any]]:
-    """Items from a JSONL file of {"question", "answer"} rows (GSM8K format accepted).
+    """Items from a JSONL file (gzipped when its name ends in .gz, as HumanEval ships) of
+    {"question", "answer"} rows (GSM8K format accepted).
 
     A malformed row raises DatasetError naming the file and line with `bad_rows="error"`;
     with "skip" it is left out, and one warning counts the skipped rows and names them.
@@ -108,7 +110,8 @@ def load_jsonl(path: str | Path, *, limit: int | None = None, task: str | None =
     task = task or _task_name(path)
     items: list[dict[str, Any]] = []
     skipped: list[str] = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if limit is not None and len(items) >= limit:
                 break
@@ -175,8 +178,9 @@ def row_to_item(row: Any, *, default_id: str, default_task: str) -> dict[str, An
 
 
 def _task_name(path: Path) -> str:
-    stem = path.stem.split("-")[0]  # "train-00000" shards
-    return path.parent.name if stem in _SPLIT_NAMES and path.parent.name else path.stem
+    name = Path(path.name.removesuffix(".gz")).stem  # "HumanEval.jsonl.gz" is HumanEval
+    stem = name.split("-")[0]  # "train-00000" shards
+    return path.parent.name if stem in _SPLIT_NAMES and path.parent.name else name
 
 
 def _split_files(folder: Path, split: str) -> list[Path]:

@@ -93,5 +93,7 @@ def write_samples(path: Path, trajectories: list[Trajectory]) -> Path:
             row = {"reward": t.reward, "stop_reason": t.stop_reason.value,
                    "output_tokens": t.n_output_tokens,
                    **{k: v for k, v in t.meta.items() if isinstance(v, (str, int, float, bool))}}
+            if "reward_info" in t.meta:  # how the reward was computed (a JSON-ready dict)
+                row["reward_info"] = t.meta["reward_info"]
             f.write(json.dumps(row) + "\n")
     return path

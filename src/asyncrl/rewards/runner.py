@@ -150,6 +150,11 @@ class RewardRunner:
 
     async def score(self, completion: str, item: dict[str, Any]) -> float:
         """The reward of `completion` for `item`; raises RewardError / RewardTimeout."""
+        return (await self.score_with_info(completion, item))[0]
+
+    async def score_with_info(self, completion: str,
+                              item: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+        """The reward and the record the function gave with it (None: it gave a float)."""
         if self.processes:
             outcome = await self._score_in_process(completion, item)
         else:
@@ -235,7 +240,8 @@ class RewardRunner:
 
     # -- outcomes ---------------------------------------------------------------------
 
-    def _unpack(self, outcome: tuple[str, Any], completion: str, item: dict[str, Any]) -> float:
+    def _unpack(self, outcome: tuple[str, Any], completion: str,
+                item: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         status, value = outcome
         if status == "error":
             exc, remote_tb = value
@@ -243,11 +249,14 @@ class RewardRunner:
                 exc.__cause__ = _RemoteTraceback(remote_tb)
             raise self._error(RewardError, f"{type(exc).__name__}: {exc}", completion,
                               item) from exc
+        info = None
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+            value, info = value
         is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not is_number or not math.isfinite(value):
-            raise self._error(RewardError, f"returned {value!r}, expected a finite number",
-                              completion, item)
-        return float(value)
+            raise self._error(RewardError, f"returned {value!r}, expected a finite number "
+                              "or a (number, info dict) pair", completion, item)
+        return float(value), info
 
     def _error(self, cls: type[RewardError], what: str, completion: str,
                item: dict[str, Any]) -> RewardError:

@@ -93,6 +93,21 @@ def test_cli_refuses_a_bad_k_list_and_a_missing_dataset(capsys):
     assert "give --data" in capsys.readouterr().err
 
 
+def test_a_runs_config_gives_eval_its_stop_strings_and_flags_win(tmp_path, monkeypatch):
+    from asyncrl.controller import evaluation
+
+    seen = []
+    monkeypatch.setattr(evaluation, "run", seen.append)  # the spec, without a server
+    config = Path(__file__).resolve().parents[3] / "examples/code/code_grpo_cpu.yaml"
+    assert main(["eval", "--model", "m", "--config", str(config), "--out", str(tmp_path)]) == 0
+    assert main(["eval", "--model", "m", "--config", str(config), "--out", str(tmp_path),
+                 "--stop", "END", "--stop", "\n\n"]) == 0
+    assert [s.stop for s in seen] == [["```\n"], ["END", "\n\n"]]
+    assert seen[0].gconfig().stop == ["```\n"]
+    assert (seen[0].reward_fn, seen[0].dataset.path, seen[0].max_tokens) == \
+        ("code", "python:asyncrl.data.code_tasks:held_out_tasks", 96)
+
+
 def test_outputs_hold_each_item_and_the_means(tmp_path, capsys):
     result = run_scripted(["a", "b"], ks=(1, 2))
     summary = write_outputs(spec(tmp_path, n=4, ks=[1, 2], temperature=1.0), result,

@@ -128,6 +128,27 @@ def test_reward_errors_propagate_naming_the_item(tok):
         asyncio.run(workflow.run(FakeEngine(tok, ["#### 18"]), ITEM))
 
 
+def _length_with_info(completion, item):
+    """A reward that says how it scored: the completion's length, and that length as info."""
+    return float(len(completion)), {"chars": len(completion)}
+
+
+def test_a_reward_with_info_keeps_its_info_in_each_trajectorys_meta(tok):
+    completions = ["ab", "abcde"]
+    trajs = asyncio.run(make_workflow(tok, n_samples=2, reward_fn=_length_with_info)
+                        .run(FakeEngine(tok, completions), ITEM))
+    assert [t.reward for t in trajs] == [2.0, 5.0]
+    assert [t.meta["reward_info"] for t in trajs] == [{"chars": 2}, {"chars": 5}]
+    plain = asyncio.run(make_workflow(tok).run(FakeEngine(tok, ["#### 18"]), ITEM))
+    assert all("reward_info" not in t.meta for t in plain)
+
+
+def test_a_reward_pair_whose_value_is_not_a_number_is_an_error(tok):
+    workflow = make_workflow(tok, n_samples=1, reward_fn=lambda c, i: ("1", {"why": "text"}))
+    with pytest.raises(RewardError, match="expected a finite number or a"):
+        asyncio.run(workflow.run(FakeEngine(tok, ["x"]), ITEM))
+
+
 def test_eval_copy_is_greedy_with_one_sample(tok):
     engine = FakeEngine(tok, ["#### 18"])
     trajs = asyncio.run(make_workflow(tok).for_eval(max_new_tokens=8).run(engine, ITEM))

@@ -284,3 +284,16 @@ def test_hf_dataset_id_is_loaded_through_the_datasets_package(monkeypatch):
     assert calls == [("openai/gsm8k", "test", {"name": "main"})]
     assert [(i["question"], i["answer"], i["task"]) for i in items] == [
         ("2 + 2?", "4", "gsm8k"), ("1,000 + 1?", "1001", "gsm8k")]
+
+
+def test_a_gzipped_jsonl_file_loads_as_humaneval_ships_it(tmp_path):
+    import gzip
+
+    row = {"task_id": "HumanEval/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n",
+           "test": "def check(c):\n    assert c() == 1\n", "entry_point": "f"}
+    path = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(row) + "\n")
+    [item] = load_dataset(DatasetConfig(path=str(path)))
+    assert (item["id"], item["question"], item["task"]) == \
+        ("HumanEval/0", "def f():\n", "HumanEval")

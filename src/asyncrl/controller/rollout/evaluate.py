@@ -43,7 +43,9 @@ class ItemScore:
             "id": self.item.get("id"), "question": self.item.get("question"), "prompt": prompt,
             "gold": self.item.get("answer"), "scores": self.scores,
             "samples": [{"completion": t.meta.get("completion"), "reward": r, "answer": a,
-                         "output_tokens": t.n_output_tokens, "stop_reason": t.stop_reason.value}
+                         "output_tokens": t.n_output_tokens, "stop_reason": t.stop_reason.value,
+                         **({"reward_info": t.meta["reward_info"]}
+                            if "reward_info" in t.meta else {})}
                         for t, r, a in zip(self.trajectories, self.rewards, self.answers)],
         }
 

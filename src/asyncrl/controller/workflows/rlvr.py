@@ -139,11 +139,14 @@ class RLVRWorkflow:
                                                         sampling=sampling))
         t1 = time.perf_counter()
         completion = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-        reward = 0.0 if self.reward is None else await self.reward.score(completion, item)
+        reward, info = 0.0, None
+        if self.reward is not None:
+            reward, info = await self.reward.score_with_info(completion, item)
         t2 = time.perf_counter()
-        return Trajectory.from_response(resp, reward=reward, group_id=group_id,
-                                        meta=self._meta(item, resp, completion, index,
-                                                        gen_s=t1 - t0, reward_s=t2 - t1))
+        meta = self._meta(item, resp, completion, index, gen_s=t1 - t0, reward_s=t2 - t1)
+        if info is not None:  # e.g. the code reward's sandbox limits and isolation
+            meta["reward_info"] = info
+        return Trajectory.from_response(resp, reward=reward, group_id=group_id, meta=meta)
 
     def _meta(self, item: dict[str, Any], resp: GenerationResponse, completion: str, index: int,
               *, gen_s: float, reward_s: float) -> dict[str, Any]:
