@@ -38,9 +38,9 @@ PHASES = ("eval-base", "sft", "eval-sft", "rl", "eval-rl")
 SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer on its own "
                  "line as: #### <number>")
 
-# SFT: one pass over GSM8K's 7,473 training solutions (7,466 within max_length), 16 per
-# step, cosine decay from 5e-5.
-SFT_KEYS = ["total_train_epochs=1", "total_train_steps=null", "train_dataset.batch_size=16",
+# SFT: 180 steps of 16 rows (2,880 of GSM8K's 7,464 training solutions within max_length
+# 512, 39% of an epoch), cosine decay from 5e-5: ~6.4 s a step on two cores, ~19 min.
+SFT_KEYS = ["total_train_epochs=1", "total_train_steps=180", "train_dataset.batch_size=16",
             "model.optimizer.lr=5.0e-5", "evaluator.freq_steps=null"]
 # GRPO: 8 prompts x 8 samples per step, answers up to 256 tokens; the recipe scores the
 # result with `asyncrl eval`, so the run's own greedy evaluations are off.

@@ -109,7 +109,7 @@ def test_recipe_commands_load_as_configs_and_chain_the_runs(tmp_path, gsm8k_dir)
     cmd = recipe.sft_command(args)
     sft = load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:],
                       schema=SFTConfig)
-    assert (sft.total_train_epochs, sft.total_train_steps, sft.seed) == (1, None, 2)
+    assert (sft.total_train_epochs, sft.total_train_steps, sft.seed) == (1, 180, 2)
     assert sft.system_prompt == recipe.SYSTEM_PROMPT
     start = tmp_path / "sft-model"
     cmd = recipe.rl_command(args, start)
