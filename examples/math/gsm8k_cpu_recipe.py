@@ -42,9 +42,10 @@ SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final answer
 # 512, 39% of an epoch), cosine decay from 5e-5: ~6.4 s a step on two cores, ~19 min.
 SFT_KEYS = ["total_train_epochs=1", "total_train_steps=180", "train_dataset.batch_size=16",
             "model.optimizer.lr=5.0e-5", "evaluator.freq_steps=null"]
-# GRPO: 8 prompts x 8 samples per step, answers up to 256 tokens; the recipe scores the
+# GRPO: 40 steps of 8 prompts x 8 samples, answers up to 256 tokens (~30 s a step on two
+# cores, ~20 min); the recipe scores the
 # result with `asyncrl eval`, so the run's own greedy evaluations are off.
-RL_KEYS = ["total_train_steps=60", "gconfig.n_samples=8", "train_dataset.batch_size=8",
+RL_KEYS = ["total_train_steps=40", "gconfig.n_samples=8", "train_dataset.batch_size=8",
            "actor.optimizer.lr=5.0e-6", "local_engine.max_batch_size=64",
            "evaluator.before_training=false", "evaluator.after_training=false"]
 
