@@ -241,8 +241,10 @@ MESSAGES: Table = {
 MESSAGE_ROLES: Table = {
     "user": tr("text and tool_result blocks"),
     "assistant": tr("text and tool_use blocks"),
-    "system": tr("a system turn at its position; clear_at next_user_message drops it once a "
-                 "later user message exists; output_config.effort is ignored"),
+    "system": tr("a system turn at its position (merged into the next user turn where the "
+                 "chat template renders system turns only first); clear_at "
+                 "next_user_message drops it once a later user message exists; "
+                 "output_config.effort is ignored"),
 }
 
 MESSAGE_BLOCKS: Table = {
@@ -287,12 +289,16 @@ SECTIONS: list[tuple[str, str, Table]] = [
 _noted: set[tuple[str, str]] = set()
 
 
+def note_once(key: tuple[str, str], message: str) -> None:
+    """Log `message` the first time `key` is seen in this process."""
+    if key not in _noted:
+        _noted.add(key)
+        logger.info("%s", message)
+
+
 def note_ignored(api: str, name: str, why: str) -> None:
     """Log once per process that `name` of `api` is accepted and ignored."""
-    if (api, name) in _noted:
-        return
-    _noted.add((api, name))
-    logger.info("%s: %s is accepted and ignored (%s)", api, name, why)
+    note_once((api, name), f"{api}: {name} is accepted and ignored ({why})")
 
 
 def check(body: dict[str, Any], table: Table, api: str, where: str = "") -> None:

@@ -324,12 +324,51 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str,
     else:
         messages, tools = hermes_messages(messages, tools, tool_choice), None
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+        text = _apply_template(tokenizer, messages, tools)
     except (jinja2.TemplateError, ValueError) as e:  # e.g. roles out of the template's order
-        raise OpenAIError(f"the chat template rejected the messages: {e}",
-                          param="messages") from None
+        merged = merge_late_system(messages)
+        try:
+            if merged is messages:  # nothing to merge: the template's refusal stands
+                raise e
+            text = _apply_template(tokenizer, merged, tools)
+        except (jinja2.TemplateError, ValueError):
+            raise OpenAIError(f"the chat template rejected the messages: {e}",
+                              param="messages") from None
+        compat.note_once(("chat template", "late system"), "the chat template rejects system "
+                         f"messages after the first turn ({e}); each is merged into the next "
+                         "user message (the last one when none follows)")
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _apply_template(tokenizer, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def merge_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each system message after the first turn merged into the next user
+    message's text (the last user message's, when none follows), for templates that render
+    system turns only first. `messages` itself when there is nothing to merge."""
+    if all(m["role"] != "system" for m in messages[1:]):
+        return messages
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            pending.append(m["content"] or "")
+        elif m["role"] == "user" and pending:
+            out.append({**m, "content": "\n\n".join([*pending, m["content"] or ""])})
+            pending = []
+        else:
+            out.append(m)
+    if pending:
+        last = max((i for i, m in enumerate(out) if m["role"] == "user"), default=None)
+        if last is None:
+            return messages
+        out[last] = {**out[last], "content": "\n\n".join([out[last]["content"] or "",
+                                                           *pending])}
+    return out
 
 
 def _native(m: dict[str, Any]) -> dict[str, Any]:

@@ -295,3 +295,25 @@ def test_claude_codes_captured_requests_are_answered(name, req):
         assert all(f'"name": "{t}"' in prompt for t in tools)  # the Hermes tool block
         assert prompt.count("<|im_start|>system\n") == 1 + sum(
             m["role"] == "system" for m in req["body"]["messages"])
+
+
+def test_a_template_that_renders_system_only_first_gets_late_system_text_merged(
+        monkeypatch, caplog):
+    monkeypatch.setattr(compat, "_noted", set())
+    tok = make_tiny_tokenizer()
+    tok.chat_template = (  # Llama-2 style: a system turn anywhere but first is an error
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('system only first') }}{% endif %}"
+        "[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]")
+    engine = ScriptedEngine(tok, "ok")
+    body = {**HI, "system": "S", "messages": [
+        {"role": "user", "content": "a"}, {"role": "system", "content": "late"},
+        {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"},
+        {"role": "system", "content": "last"}]}
+    with caplog.at_level(logging.INFO, logger="asyncrl.openai.compat"), \
+            serve_app(openai_app(engine, tok, MODEL, max_model_len=512)) as url:
+        r = httpx.post(f"{url}/v1/messages", json=body)
+    assert r.status_code == 200
+    assert engine.prompts == ["[system]S[user]a[user]late\n\nb\n\nlast[assistant]c[assistant]"]
+    [note] = [rec.getMessage() for rec in caplog.records]
+    assert "system only first" in note and "merged into the next user message" in note
