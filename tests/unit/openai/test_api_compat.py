@@ -295,6 +295,15 @@ def test_claude_codes_captured_requests_are_answered(name, req):
         assert all(f'"name": "{t}"' in prompt for t in tools)  # the Hermes tool block
         assert prompt.count("<|im_start|>system\n") == 1 + sum(
             m["role"] == "system" for m in req["body"]["messages"])
+        blocks = [b for m in req["body"]["messages"] if isinstance(m["content"], list)
+                  for b in m["content"]]
+        for b in blocks:  # a tool turn: the call and its result, in the Hermes form
+            if b["type"] == "tool_use":
+                assert json.dumps({"name": b["name"], "arguments": b["input"]}) in prompt
+            if b["type"] == "tool_result":
+                text = b["content"] if isinstance(b["content"], str) else "".join(
+                    part["text"] for part in b["content"])
+                assert f"<tool_response>\n{text}\n</tool_response>" in prompt
 
 
 def test_a_template_that_renders_system_only_first_gets_late_system_text_merged(
