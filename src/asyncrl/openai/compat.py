@@ -21,6 +21,7 @@ that is not classified here.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -71,8 +72,8 @@ _SAMPLING: Table = {
     "stream": tr("server-sent events"),
     "stream_options": tr("include_usage"),
     "max_tokens": tr("the completion's token limit"),
-    "presence_penalty": ref("penalties are not implemented", (None, 0, 0.0)),
-    "frequency_penalty": ref("penalties are not implemented", (None, 0, 0.0)),
+    "presence_penalty": ref("penalties are not implemented", (None, 0)),
+    "frequency_penalty": ref("penalties are not implemented", (None, 0)),
     "logit_bias": ref("logit bias is not implemented"),
     "user": ign("an end-user id for abuse monitoring"),
     "top_k": tr("extension (vLLM's name): sample among the k most likely tokens"),
@@ -348,9 +349,9 @@ def markdown() -> str:
              "**ignored**: accepted, changes nothing for a local model, logged once per "
              "field per process. **refused**: it would change the answer and cannot be "
              "honoured here: a 400 naming it when it is set (to anything but null, false, an "
-             "empty list or object, or the neutral value named). A field the real API does "
-             "not accept is a 400 here too. A test checks that every field of the installed "
-             "`openai` and `anthropic` SDKs' request types is in these tables.", ""]
+             "empty list or object, or the values a row names as accepted). A field the real "
+             "API does not accept is a 400 here too. A test checks that every field of the "
+             "installed `openai` and `anthropic` SDKs' request types is in these tables.", ""]
     for title, column, table in SECTIONS:
         counts = {t: sum(r.treatment == t for r in table.values())
                   for t in ("translated", "ignored", "refused")}
@@ -359,7 +360,11 @@ def markdown() -> str:
                   f"| {column} | treatment | note |", "|---|---|---|"]
         for name in sorted(table):
             rule = table[name]
-            lines.append(f"| `{name}` | {rule.treatment} | {rule.note} |")
+            note = rule.note
+            if rule.treatment == "refused" and rule.neutral != _UNSET:
+                accepted = ", ".join(json.dumps(n) for n in rule.neutral if n is not None)
+                note += f" (accepted: {accepted})"
+            lines.append(f"| `{name}` | {rule.treatment} | {note} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -326,3 +326,41 @@ def test_a_template_that_renders_system_only_first_gets_late_system_text_merged(
     assert engine.prompts == ["[system]S[user]a[user]late\n\nb\n\nlast[assistant]c[assistant]"]
     [note] = [rec.getMessage() for rec in caplog.records]
     assert "system only first" in note and "merged into the next user message" in note
+
+
+CHAT_HI = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", {**CHAT_HI, "reasoning_effort": "low", "verbosity": "low",
+                              "prediction": {"type": "content", "content": "x"},
+                              "presence_penalty": 0.0, "modalities": ["text"]}, 200, None),
+    ("/v1/chat/completions", {**CHAT_HI, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("/v1/chat/completions", {**CHAT_HI, "web_search_options": {}}, 200, None),  # empty: unset
+    ("/v1/chat/completions", {**CHAT_HI, "web_search_options": {"search_context_size": "low"}},
+     400, "web_search_options"),
+    ("/v1/chat/completions", {**CHAT_HI, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT_HI, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
+     "messages[0].content[0].type"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 1, "user": "u"}, 200, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/responses", {"model": MODEL, "input": [
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "user", "content": "hi"}], "reasoning": {"effort": "low"}}, 200, None),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "context_management": [
+        {"type": "compaction", "compact_threshold": 1000}]}, 400, "context_management"),
+    ("/v1/responses", {"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]}, 400,
+     "input[0].type"),
+])
+def test_openai_fields_are_answered_as_classified(path, body, status, param):
+    tok = make_tiny_tokenizer()
+    engine = ScriptedEngine(tok, "ok")
+    with serve_app(openai_app(engine, tok, MODEL, max_model_len=512)) as url:
+        r = httpx.post(f"{url}{path}", json=body)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == param
+    else:  # the ignored fields left the prompt as the plain request renders it
+        assert engine.prompts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"] \
+            if path != "/v1/completions" else engine.prompts == ["hi"]
