@@ -76,7 +76,10 @@ class AnthropicRoutes:
             body = await read_body(request)
             chat = to_chat(body, self.model_name)
             await self._check_triggers(request, body, chat)
-            answer = await ask_chat(self.chat, request, chat)
+            if body["max_tokens"] == 0:  # the API's cache warm-up: nothing is generated
+                answer = _nothing(await self.count(request, chat))
+            else:
+                answer = await ask_chat(self.chat, request, chat)
         except OpenAIError as e:
             return web.json_response(error_body(e), status=e.status)
         message = message_object(body, answer, self.model_name)
@@ -136,7 +139,8 @@ def error_body(e: OpenAIError) -> dict[str, Any]:
 def to_chat(body: dict[str, Any], model_name: str) -> dict[str, Any]:
     """The /v1/chat/completions body (stream false) that answers a Messages body."""
     compat.check(body, compat.MESSAGES, _API)
-    max_tokens = positive_int(body, "max_tokens", required=True)
+    max_tokens = 1 if body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool) \
+        else positive_int(body, "max_tokens", required=True)
     if not isinstance(body.get("stream", False), bool):
         raise OpenAIError("stream must be true or false", param="stream")
     _check_output_config(body.get("output_config"))
@@ -326,6 +330,13 @@ def message_object(body: dict[str, Any], answer: dict[str, Any], model_name: str
                       "output_tokens": usage.get("completion_tokens", 0),
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
             **extension(choice)}
+
+
+def _nothing(prompt_tokens: int) -> dict[str, Any]:
+    """The chat answer of a max_tokens 0 request: no tokens, stopped by the limit."""
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0}}
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

@@ -201,7 +201,9 @@ for _kind in ("additional_tools", "apply_patch_call", "apply_patch_call_output",
 
 MESSAGES: Table = {
     "model": tr("any name: the served model answers"),
-    "max_tokens": tr("required; generation also ends where the model's context does"),
+    "max_tokens": tr("required; generation also ends where the model's context does; 0 "
+                     "(the API's cache warm-up) answers no content and the prompt's token "
+                     "count as input_tokens"),
     "messages": tr("see the roles and content blocks below"),
     "system": tr("a system turn first"),
     "tools": tr("custom tools {name, description, input_schema}; server tools are refused"),

@@ -364,3 +364,15 @@ def test_openai_fields_are_answered_as_classified(path, body, status, param):
     else:  # the ignored fields left the prompt as the plain request renders it
         assert engine.prompts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"] \
             if path != "/v1/completions" else engine.prompts == ["hi"]
+
+
+def test_max_tokens_zero_generates_nothing_and_counts_the_prompt():
+    tok = make_tiny_tokenizer()
+    engine = ScriptedEngine(tok, "never")
+    with serve_app(openai_app(engine, tok, MODEL, max_model_len=512)) as url:
+        r = httpx.post(f"{url}/v1/messages", json={**HI, "max_tokens": 0})
+    n = 2 + len("user\nhi") + 1 + 1 + len("assistant\n")  # ChatML, one token per byte
+    assert r.status_code == 200 and engine.prompts == []
+    msg = r.json()
+    assert (msg["content"], msg["stop_reason"]) == ([], "max_tokens")
+    assert (msg["usage"]["input_tokens"], msg["usage"]["output_tokens"]) == (n, 0)
