@@ -85,7 +85,8 @@ def _serve(args: argparse.Namespace) -> int:
         from asyncrl.inference.server.app import main as server_main
 
         argv = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                "--dtype", args.dtype, "--device", args.device]
+                "--dtype", args.dtype, "--device", args.device,
+                "--max-seq-len", str(args.max_seq_len)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         return server_main(argv) or 0

@@ -6,8 +6,9 @@
     POST /rl/close_session {session_id, reward?, failure?}
                                                     admin key: end it, return it whole
     GET  /rl/sessions                               admin key: counts and active sessions
-    POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages; GET /v1/models
-                                                    session key (Bearer, or x-api-key)
+    POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages,
+    /v1/messages/count_tokens; GET /v1/models       session key (Bearer, or x-api-key)
+    GET|HEAD /                                      open: 200 (the base URL answers)
 
 An agent is configured with the proxy's base_url and a session key; whatever it sends,
 the proxy generates through an `InferenceEngine` and keeps, per completion, the exact
@@ -68,7 +69,7 @@ from asyncrl.openai.detokenize import detokenize
 from asyncrl.openai.drift import check_template_drift
 from asyncrl.openai.protocol import OpenAIError
 from asyncrl.openai.responses import ResponsesRoutes
-from asyncrl.openai.routes import OpenAIRoutes, _checked_body, _json_or_none
+from asyncrl.openai.routes import OpenAIRoutes, _checked_body, _json_or_none, root
 
 logger = logging.getLogger(__name__)
 _MAX_ENDED_KEYS = 100_000  # keys of ended sessions remembered, to answer 409 rather than 401
@@ -294,9 +295,11 @@ class AgentProxy:
             web.post("/v1/completions", self._completions),
         ])
         responses = ResponsesRoutes(self._chat_fn, self.model_name)
-        messages = AnthropicRoutes(self._chat_fn, self.model_name)
+        messages = AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn)
         app.router.add_post("/v1/responses", self._wrap("responses", responses.create))
         app.router.add_post("/v1/messages", self._wrap("messages", messages.create))
+        app.router.add_post("/v1/messages/count_tokens", self._keyed(messages.count_tokens))
+        app.router.add_get("/", root)
         app.add_routes(self.extra_routes)
         return app
 
@@ -512,6 +515,20 @@ class AgentProxy:
         body = self._prepare_chat(rec.session, _checked_body(chat_body))
         rec.body = body
         return await self.routes.chat_json(body)
+
+    async def _count_fn(self, request: web.Request, chat_body: dict) -> int:
+        """The prompt length of a chat body, as the session's next request would render it."""
+        session = self._session(request)
+        if isinstance(session, web.Response):  # `_keyed` answers these before
+            raise OpenAIError("missing or wrong API key", status=401, code="invalid_api_key")
+        return self.routes.prompt_length(self._prepare_chat(session, chat_body))
+
+    def _keyed(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """`handler` for requests with an active session's key; nothing is recorded."""
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            session = self._session(request)
+            return session if isinstance(session, web.Response) else await handler(request)
+        return wrapped
 
     def _wrap(self, route: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         async def wrapped(request: web.Request) -> web.StreamResponse:

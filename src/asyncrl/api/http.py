@@ -10,12 +10,15 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-PUBLIC_PATHS = ("/health", "/openapi.json")  # answered without the API key
+PUBLIC_PATHS = ("/", "/health", "/openapi.json")  # answered without the API key
 
 
 def key_matches(request: web.Request, api_key: str) -> bool:
-    """Constant-time check of the request's bearer token."""
+    """Constant-time check of the request's key: `Authorization: Bearer <key>` (OpenAI's
+    clients) or `x-api-key: <key>` (Anthropic's)."""
     given = request.headers.get("Authorization", "")
+    if not given and "x-api-key" in request.headers:
+        given = f"Bearer {request.headers['x-api-key']}"
     return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
 
 

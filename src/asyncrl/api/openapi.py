@@ -75,8 +75,14 @@ def _document(title: str, paths: dict[str, Any], *, api_key: bool,
     return spec
 
 
+_MESSAGES_BODY = {"model": {"type": "string"}, "messages": _MESSAGES,
+                  "system": {"type": "string"}, "max_tokens": {"type": "integer"},
+                  "temperature": {"type": "number"}, "stream": {"type": "boolean"}}
+
+
 def openai_paths(model_name: str | None) -> dict[str, Any]:
-    """/v1/models, /v1/completions, /v1/chat/completions; `model_name` None: any name."""
+    """/v1 routes of OpenAI's and Anthropic's APIs; `model_name` None: any name (Messages
+    takes any name everywhere)."""
     model = {"type": "string"} if model_name is None else {"type": "string",
                                                            "enum": [model_name]}
     return {
@@ -86,6 +92,15 @@ def openai_paths(model_name: str | None) -> dict[str, Any]:
         }, ["model", "prompt"]),
         "/v1/chat/completions": _post("OpenAI chat completions", _OPENAI_SAMPLING | {
             "model": model, "messages": _MESSAGES}, ["model", "messages"]),
+        "/v1/responses": _post("OpenAI Responses API", {
+            "model": model, "input": {"oneOf": [{"type": "string"}, _MESSAGES]},
+            "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer"},
+            "temperature": {"type": "number"}, "stream": {"type": "boolean"}},
+            ["model", "input"]),
+        "/v1/messages": _post("Anthropic Messages API", _MESSAGES_BODY,
+                              ["model", "messages", "max_tokens"]),
+        "/v1/messages/count_tokens": _post("the prompt tokens of a Messages body",
+                                           _MESSAGES_BODY, ["model", "messages"]),
     }
 
 
@@ -134,15 +149,6 @@ def agent_proxy(model_name: str) -> dict[str, Any]:
             "reward": _REWARD, "failure": {"type": "string"}}),
         "/rl/sessions": _get("session counts and the active sessions (admin key)"),
         **openai_paths(None),
-        "/v1/responses": _post("OpenAI Responses API", {
-            "model": {"type": "string"}, "input": {"oneOf": [{"type": "string"}, _MESSAGES]},
-            "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer"},
-            "temperature": {"type": "number"}, "stream": {"type": "boolean"}},
-            ["model", "input"]),
-        "/v1/messages": _post("Anthropic Messages API", {
-            "model": {"type": "string"}, "messages": _MESSAGES, "system": {"type": "string"},
-            "max_tokens": {"type": "integer"}, "temperature": {"type": "number"},
-            "stream": {"type": "boolean"}}, ["model", "messages", "max_tokens"]),
     }, api_key=True)
 
 

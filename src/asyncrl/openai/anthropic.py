@@ -1,13 +1,19 @@
 """POST /v1/messages (Anthropic's Messages API) answered by one chat completion.
 
-For Claude-Code-style agent runtimes. Translated: `model`, `max_tokens` (required),
-`system`, `messages` (text, tool_use and tool_result blocks), `tools` (custom tools with an
-`input_schema`), `tool_choice`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream`.
-Accepted and ignored: `metadata`, `service_tier`, `cache_control` (top level and on blocks),
-and `thinking`: the served model has no separate thinking channel, so the answer simply has
-no thinking blocks (a well-formed answer), and thinking blocks sent back in the history are
-dropped. Anything else, and content other than text / tool_use / tool_result (images,
-documents, server tools), is a 400 naming the field.
+For Claude-Code-style agent runtimes. Every field of Anthropic's request types is
+accepted; `compat.MESSAGES` (fields), `compat.MESSAGE_ROLES` and `compat.MESSAGE_BLOCKS`
+say which are translated, ignored (with a note logged once) or refused with a 400 naming
+them. Any model name is answered by the served model. `role: "system"` messages inside
+`messages` become system turns at their position (one with `clear_at:
+"next_user_message"` only until a later user message exists). `context_management`:
+thinking never reaches the served model, so clear_thinking edits hold as they are; a
+clear_tool_uses or compact edit would rewrite the prompt once its trigger fires, which this
+server does not do, so the request is a 400 when the trigger fires (its input-token count
+or tool-use count reached) and is answered unchanged below it.
+
+POST /v1/messages/count_tokens answers `{"input_tokens": n}`: the prompt token count of
+the chat prompt the same body would be answered with. A prompt the model's context cannot
+hold is a 400 in Anthropic's words ("prompt is too long: N tokens > M maximum").
 
 Text blocks of one turn are joined as they are, as the chat route joins text parts. A
 tool_result with `is_error` reaches the model as "Error: " + its text (chat tool messages
@@ -24,12 +30,13 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.openai.protocol import OpenAIError
+from asyncrl.openai import compat
+from asyncrl.openai.errors import ContextLengthError, OpenAIError
 from asyncrl.openai.shapes_base import (
     ChatFn,
+    CountFn,
     ask_chat,
     chat_function,
-    check_fields,
     extension,
     new_id,
     only_choice,
@@ -40,12 +47,10 @@ from asyncrl.openai.shapes_base import (
 )
 from asyncrl.openai.tool_calls import CLOSE, OPEN
 
-_TRANSLATED = {"model", "max_tokens", "system", "messages", "tools", "tool_choice",
-               "stop_sequences", "temperature", "top_p", "top_k", "stream"}
-_IGNORED = {"metadata", "service_tier", "cache_control", "thinking"}
-FIELDS = _TRANSLATED | _IGNORED
-_BLOCKS = {"user": {"text", "tool_result"},
-           "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}
+_API = "/v1/messages"
+_BLOCKS = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use"},
+           "system": {"text"}, "tool_result": {"text"}}
+_TRIGGERS = {"clear_tool_uses_20250919": 100_000, "compact_20260112": 150_000}  # input tokens
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error", 529: "overloaded_error"}
@@ -53,21 +58,28 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 
 
 class AnthropicRoutes:
-    """POST /v1/messages over a chat callable."""
+    """POST /v1/messages and /v1/messages/count_tokens over a chat and a count callable."""
 
-    def __init__(self, chat: ChatFn, model_name: str):
+    def __init__(self, chat: ChatFn, model_name: str, count: CountFn):
         self.chat = chat
         self.model_name = model_name
+        self.count = count
 
     def add_to(self, app: web.Application) -> None:
-        """Mount the route on `app`."""
-        app.add_routes([web.post("/v1/messages", self.create)])
+        """Mount the routes on `app`."""
+        app.add_routes([web.post("/v1/messages", self.create),
+                        web.post("/v1/messages/count_tokens", self.count_tokens)])
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         """Answer one Messages request (JSON, or SSE when `stream` is true)."""
         try:
             body = await read_body(request)
-            answer = await ask_chat(self.chat, request, to_chat(body))
+            chat = to_chat(body, self.model_name)
+            await self._check_triggers(request, body, chat)
+            if body["max_tokens"] == 0:  # the API's cache warm-up: nothing is generated
+                answer = _nothing(await self.count(request, chat))
+            else:
+                answer = await ask_chat(self.chat, request, chat)
         except OpenAIError as e:
             return web.json_response(error_body(e), status=e.status)
         message = message_object(body, answer, self.model_name)
@@ -75,11 +87,47 @@ class AnthropicRoutes:
             return await send_events(request, stream_events(message))
         return web.json_response(message)
 
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """{"input_tokens": n}: the prompt tokens the same body would be answered with."""
+        try:
+            body = await read_body(request)
+            chat = to_chat({"max_tokens": 1, **body}, self.model_name)
+            n = await self.count(request, chat)
+        except OpenAIError as e:
+            return web.json_response(error_body(e), status=e.status)
+        return web.json_response({"input_tokens": n})
+
+    async def _check_triggers(self, request: web.Request, body: dict[str, Any],
+                              chat: dict[str, Any]) -> None:
+        """400 when a context_management edit that rewrites the prompt would fire."""
+        edits = [e for e in context_edits(body) if e["type"] in _TRIGGERS]
+        if not edits:
+            return
+        tokens = await self.count(request, chat)
+        uses = sum(len(m.get("tool_calls") or []) for m in chat["messages"])
+        for i, edit in enumerate(edits):
+            trigger = edit.get("trigger") or {"type": "input_tokens",
+                                              "value": _TRIGGERS[edit["type"]]}
+            have = tokens if trigger.get("type") == "input_tokens" else uses
+            if not isinstance(trigger.get("value"), int) or trigger.get("type") not in (
+                    "input_tokens", "tool_uses"):
+                raise OpenAIError(f"context_management.edits[{i}].trigger must be {{type: "
+                                  f"input_tokens|tool_uses, value: int}}, got {trigger!r}",
+                                  param="context_management")
+            if have >= trigger["value"]:
+                raise OpenAIError(
+                    f"context_management: the {edit['type']} edit fires here ({have} "
+                    f"{trigger['type']} >= {trigger['value']}) and this server does not "
+                    "rewrite prompts; clear or compact the conversation in the client, or "
+                    "raise the trigger", param="context_management")
+
 
 def error_body(e: OpenAIError) -> dict[str, Any]:
     """Anthropic's error shape; the message names the field, as there is no `param`."""
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
     text = str(e)
+    if isinstance(e, ContextLengthError):  # Anthropic's words, which Claude Code reads
+        text = f"prompt is too long: {e.tokens} tokens > {e.limit - 1} maximum ({text})"
     param = {"messages": "messages", "stop": "stop_sequences"}.get(e.param or "", e.param)
     if param and param not in text:
         text = f"{param}: {text}"
@@ -88,21 +136,26 @@ def error_body(e: OpenAIError) -> dict[str, Any]:
 
 # ---- request: Messages -> chat -------------------------------------------------------------
 
-def to_chat(body: dict[str, Any]) -> dict[str, Any]:
+def to_chat(body: dict[str, Any], model_name: str) -> dict[str, Any]:
     """The /v1/chat/completions body (stream false) that answers a Messages body."""
-    check_fields(body, FIELDS)
-    max_tokens = positive_int(body, "max_tokens", required=True)
+    compat.check(body, compat.MESSAGES, _API)
+    max_tokens = 1 if body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool) \
+        else positive_int(body, "max_tokens", required=True)
     if not isinstance(body.get("stream", False), bool):
         raise OpenAIError("stream must be true or false", param="stream")
+    _check_output_config(body.get("output_config"))
+    context_edits(body)
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text(body["system"], "system")})
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise OpenAIError("messages must be a non-empty list", param="messages")
+    users = [i for i, m in enumerate(raw) if isinstance(m, dict) and m.get("role") == "user"]
     for i, m in enumerate(raw):
-        messages.extend(_turn(m, f"messages[{i}]"))
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages,
+        later_user = bool(users) and users[-1] > i
+        messages.extend(_turn(m, f"messages[{i}]", later_user))
+    chat: dict[str, Any] = {"model": model_name, "messages": messages,
                             "max_tokens": max_tokens, "stream": False}
     if body.get("tools"):
         chat["tools"] = chat_tools(body["tools"])
@@ -116,33 +169,71 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def _blocks(content: Any, where: str, allowed: set[str]) -> list[dict[str, Any]]:
-    """Content as a checked list of blocks (a string is one text block)."""
+def _check_output_config(config: Any) -> None:
+    """effort and task_budget change nothing here; a format would need constrained decoding."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise OpenAIError("output_config must be an object", param="output_config")
+    if config.get("format") is not None:
+        raise OpenAIError("output_config.format is not supported: a JSON schema needs "
+                          "constrained decoding, which this server does not do",
+                          param="output_config.format")
+
+
+def context_edits(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checked `context_management.edits` of a Messages body ([] when absent)."""
+    config = body.get("context_management")
+    if config is None:
+        return []
+    edits = config.get("edits") if isinstance(config, dict) else None
+    if not isinstance(edits, list) or not all(isinstance(e, dict) and e.get("type") in (
+            "clear_thinking_20251015", *_TRIGGERS) for e in edits):
+        raise OpenAIError("context_management must be {edits: [...]} of clear_thinking_20251015, "
+                          f"clear_tool_uses_20250919 or compact_20260112 edits, got {config!r}",
+                          param="context_management")
+    return edits
+
+
+def _blocks(content: Any, where: str, role: str) -> list[dict[str, Any]]:
+    """Content as checked blocks this role may hold (a string is one text block); blocks
+    that compat ignores (another model's thinking) are left out."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise OpenAIError(f"{where} must be a string or a list of content blocks", param=where)
+    out = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in allowed:
-            raise OpenAIError(f"{where}[{j}].type {kind!r} is not supported here; use one of "
-                              f"{sorted(allowed)}", param=f"{where}[{j}].type")
+        rule = compat.kind(compat.MESSAGE_BLOCKS, kind, _API, f"{where}[{j}].type")
+        if rule.treatment == "ignored":
+            continue
+        if kind not in _BLOCKS[role]:
+            raise OpenAIError(f"{where}[{j}].type {kind!r} cannot be in {role} content; use "
+                              f"one of {sorted(_BLOCKS[role])}", param=f"{where}[{j}].type")
         if kind == "text" and not isinstance(block.get("text"), str):
             raise OpenAIError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
-    return content
+        out.append(block)
+    return out
 
 
 def _text(content: Any, where: str) -> str:
-    return "".join(b["text"] for b in _blocks(content, where, {"text"}))
+    return "".join(b["text"] for b in _blocks(content, where, "system"))
 
 
-def _turn(m: Any, where: str) -> list[dict[str, Any]]:
-    """The chat messages of one Messages turn."""
+def _turn(m: Any, where: str, later_user: bool) -> list[dict[str, Any]]:
+    """The chat messages of one Messages turn (none for a system message already cleared)."""
     role = m.get("role") if isinstance(m, dict) else None
-    if role not in _BLOCKS:
-        raise OpenAIError(f"{where}.role must be user or assistant, got {role!r}",
-                          param=f"{where}.role")
-    blocks = _blocks(m.get("content"), f"{where}.content", _BLOCKS[role])
+    compat.kind(compat.MESSAGE_ROLES, role, _API, f"{where}.role", "role")
+    if role == "system":
+        clear_at = m.get("clear_at") or "never"
+        if clear_at not in ("never", "next_user_message"):
+            raise OpenAIError(f"{where}.clear_at must be never or next_user_message, got "
+                              f"{clear_at!r}", param=f"{where}.clear_at")
+        if clear_at == "next_user_message" and later_user:
+            return []
+        return [{"role": "system", "content": _text(m.get("content"), f"{where}.content")}]
+    blocks = _blocks(m.get("content"), f"{where}.content", role)
     if role == "assistant":
         return [_assistant(blocks, f"{where}.content")]
     out: list[dict[str, Any]] = []
@@ -180,7 +271,8 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(block.get("tool_use_id"), str):
         raise OpenAIError(f"{where}.tool_use_id must be a string", param=f"{where}.tool_use_id")
     content = block.get("content")
-    text = "" if content is None else _text(content, f"{where}.content")
+    text = "" if content is None else "".join(
+        b["text"] for b in _blocks(content, f"{where}.content", "tool_result"))
     if block.get("is_error"):
         text = f"Error: {text}"
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
@@ -238,6 +330,13 @@ def message_object(body: dict[str, Any], answer: dict[str, Any], model_name: str
                       "output_tokens": usage.get("completion_tokens", 0),
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
             **extension(choice)}
+
+
+def _nothing(prompt_tokens: int) -> dict[str, Any]:
+    """The chat answer of a max_tokens 0 request: no tokens, stopped by the limit."""
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0}}
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

@@ -3,10 +3,9 @@
 Every rejection is an `OpenAIError` whose `param` names the field, the way OpenAI's API
 answers. `seed` gives the request its own random stream (choice i of n: a stream derived
 from it), so the same weights answer it the same way whatever else the server batches.
-Fields we accept but do not act on: `user`, `metadata`, `store`, `parallel_tool_calls`,
-`service_tier`. Fields that would change the answer and that
-we cannot honour (penalties, `logit_bias`, `best_of`, `suffix`) are rejected when set to
-anything but their neutral value. Top-k alternatives (completions `logprobs: k`, chat
+Which fields are honoured, ignored (with a note logged once) or refused is `compat.py`'s
+tables (`compat.CHAT`, `compat.COMPLETIONS`): every field OpenAI's API accepts is in them.
+Top-k alternatives (completions `logprobs: k`, chat
 `top_logprobs: k`) and completions `echo` (the prompt's log-probs; with `max_tokens: 0`
 only those) are served by engines that compute them (our own), non-streamed; elsewhere
 they are rejected. Extensions (vLLM's names): `top_k`, `ignore_eos`, `stop_token_ids`.
@@ -21,33 +20,14 @@ from typing import Any
 import jinja2
 
 from asyncrl.api.types import SamplingParams
+from asyncrl.openai import compat
+from asyncrl.openai.errors import ContextLengthError, OpenAIError
 from asyncrl.openai.tool_calls import hermes_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 4096  # when the context length is not known
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit, vLLM's default)
-_IGNORED = {"user", "metadata", "store", "parallel_tool_calls", "service_tier"}
-_COMMON = {"model", "seed", "max_tokens", "temperature", "top_p", "n", "stop", "stream",
-           "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "top_k",
-           "ignore_eos", "stop_token_ids"} | _IGNORED
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                         "tools", "tool_choice", "response_format"}
-ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-class OpenAIError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.type, self.code = status, param, type, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclass(kw_only=True)
@@ -104,21 +84,13 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _check_fields(body: Any, allowed: set[str], model_name: str) -> dict:
+def _check_fields(body: Any, table: compat.Table, api: str, model_name: str) -> dict:
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise OpenAIError(f"unknown field {unknown[0]!r}; this server accepts {sorted(allowed)}",
-                          param=unknown[0])
+    compat.check(body, table, api)
     if body.get("model") != model_name:
         raise OpenAIError(f"model {body.get('model')!r} is not served here; use {model_name!r}",
                           param="model", code="model_not_found")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise OpenAIError(f"{name} is not supported (only 0)", param=name)
-    if body.get("logit_bias"):
-        raise OpenAIError("logit_bias is not supported", param="logit_bias")
     return body
 
 
@@ -161,20 +133,17 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 def _check_length(prompt: list[int], max_model_len: int | None, param: str) -> None:
     if max_model_len is not None and len(prompt) >= max_model_len:
-        raise OpenAIError(f"{param} come to {len(prompt)} prompt tokens; the model's context is "
-                          f"{max_model_len} tokens, which leaves no room to generate",
-                          param=param, code="context_length_exceeded")
+        raise ContextLengthError(f"{param} come to {len(prompt)} prompt tokens; the model's "
+                                 f"context is {max_model_len} tokens, which leaves no room to "
+                                 "generate", tokens=len(prompt), limit=max_model_len,
+                                 param=param)
 
 
 def parse_completion(body: Any, tokenizer, model_name: str,
                      max_model_len: int | None) -> Job:
     """Check a /v1/completions body and tokenize its prompts."""
-    body = _check_fields(body, COMPLETION_FIELDS, model_name)
+    body = _check_fields(body, compat.COMPLETIONS, "/v1/completions", model_name)
     echo = _bool(body, "echo", False)
-    if body.get("suffix"):
-        raise OpenAIError("suffix is not supported", param="suffix")
-    if _int(body, "best_of", 1, lo=1) != 1:
-        raise OpenAIError("best_of is not supported (only 1)", param="best_of")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     prompts = _prompts(body.get("prompt"), tokenizer)
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=0)
@@ -226,7 +195,7 @@ def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
 def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
                native_tools: bool) -> Job:
     """Check a /v1/chat/completions body and render its messages with the chat template."""
-    body = _check_fields(body, CHAT_FIELDS, model_name)
+    body = _check_fields(body, compat.CHAT, "/v1/chat/completions", model_name)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise OpenAIError("response_format other than {\"type\": \"text\"} is not supported",
@@ -259,9 +228,10 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise OpenAIError(f"{where} must be an object with a role in {sorted(ROLES)}",
-                              param=f"{where}.role")
+        if not isinstance(m, dict):
+            raise OpenAIError(f"{where} must be an object with a role", param=where)
+        compat.kind(compat.CHAT_ROLES, m.get("role"), "/v1/chat/completions", f"{where}.role",
+                    "role")
         role = "system" if m["role"] == "developer" else m["role"]
         msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), where)}
         if role == "assistant" and m.get("tool_calls"):
@@ -283,10 +253,14 @@ def _content(content: Any, where: str) -> str | None:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
-                raise OpenAIError(f"{where}.content[{j}] must be a text part; other content "
-                                  "types are not supported", param=f"{where}.content[{j}]")
+            if not isinstance(part, dict):
+                raise OpenAIError(f"{where}.content[{j}] must be a content part object",
+                                  param=f"{where}.content[{j}]")
+            compat.kind(compat.CHAT_PARTS, part.get("type"), "/v1/chat/completions",
+                        f"{where}.content[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise OpenAIError(f"{where}.content[{j}].text must be a string",
+                                  param=f"{where}.content[{j}].text")
             texts.append(part["text"])
         return "".join(texts)
     raise OpenAIError(f"{where}.content must be a string or a list of text parts",
@@ -350,12 +324,51 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str,
     else:
         messages, tools = hermes_messages(messages, tools, tool_choice), None
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+        text = _apply_template(tokenizer, messages, tools)
     except (jinja2.TemplateError, ValueError) as e:  # e.g. roles out of the template's order
-        raise OpenAIError(f"the chat template rejected the messages: {e}",
-                          param="messages") from None
+        merged = merge_late_system(messages)
+        try:
+            if merged is messages:  # nothing to merge: the template's refusal stands
+                raise e
+            text = _apply_template(tokenizer, merged, tools)
+        except (jinja2.TemplateError, ValueError):
+            raise OpenAIError(f"the chat template rejected the messages: {e}",
+                              param="messages") from None
+        compat.note_once(("chat template", "late system"), "the chat template rejects system "
+                         f"messages after the first turn ({e}); each is merged into the next "
+                         "user message (the last one when none follows)")
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _apply_template(tokenizer, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def merge_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each system message after the first turn merged into the next user
+    message's text (the last user message's, when none follows), for templates that render
+    system turns only first. `messages` itself when there is nothing to merge."""
+    if all(m["role"] != "system" for m in messages[1:]):
+        return messages
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            pending.append(m["content"] or "")
+        elif m["role"] == "user" and pending:
+            out.append({**m, "content": "\n\n".join([*pending, m["content"] or ""])})
+            pending = []
+        else:
+            out.append(m)
+    if pending:
+        last = max((i for i, m in enumerate(out) if m["role"] == "user"), default=None)
+        if last is None:
+            return messages
+        out[last] = {**out[last], "content": "\n\n".join([out[last]["content"] or "",
+                                                           *pending])}
+    return out
 
 
 def _native(m: dict[str, Any]) -> dict[str, Any]:

@@ -3,14 +3,9 @@
 The OpenAI Agents SDK calls this route by default. We keep no state between calls, so the
 client sends the whole conversation in `input` each time (as the Agents SDK does unless it
 is told to chain responses); `previous_response_id`, `conversation` and `prompt` (stored
-server-side objects) and `background` are rejected. Translated: `model`, `input`,
-`instructions` (a system message before the input), `tools` (function tools only),
-`tool_choice`, `max_output_tokens`, `temperature`, `top_p`, `stream`, `text` (plain text
-format only), `top_logprobs` (0 only). Accepted and ignored, as they do not change what the
-model is asked: `store`, `metadata`, `parallel_tool_calls`, `truncation`, `include`,
-`reasoning`, `user`, `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`,
-`safety_identifier`, `service_tier`, `stream_options`, `max_tool_calls`. Anything else is a
-400 naming the field.
+server-side objects) and `background` are rejected. Each field's treatment (translated,
+ignored with a note, refused) is in `compat.RESPONSES`, each input item type's in
+`compat.RESPONSES_ITEMS`.
 """
 
 from __future__ import annotations
@@ -21,34 +16,20 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.openai.protocol import OpenAIError
+from asyncrl.openai import compat
+from asyncrl.openai.errors import OpenAIError
 from asyncrl.openai.shapes_base import (
     ChatFn,
     ask_chat,
     chat_function,
-    check_fields,
     extension,
     new_id,
     only_choice,
     positive_int,
     read_body,
-    reject_if_set,
     send_events,
 )
 
-_TRANSLATED = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
-               "temperature", "top_p", "stream", "text", "top_logprobs"}
-_IGNORED = {"store", "metadata", "parallel_tool_calls", "truncation", "include", "reasoning",
-            "user", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
-            "safety_identifier", "service_tier", "stream_options", "max_tool_calls"}
-_REJECTED = {
-    "previous_response_id": "this server stores no responses; send the whole conversation "
-                            "in input (Agents SDK: leave previous_response_id unset)",
-    "conversation": "this server stores no conversations; send them in input",
-    "prompt": "this server has no stored prompt templates",
-    "background": "responses are answered while the request waits",
-}
-FIELDS = _TRANSLATED | _IGNORED | set(_REJECTED)
 _MESSAGE_ROLES = {"user", "system", "developer", "assistant"}
 _TEXT_PARTS = {"input_text", "output_text"}
 
@@ -91,8 +72,7 @@ def _renamed(e: OpenAIError) -> OpenAIError:
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """The /v1/chat/completions body (stream false) that answers a Responses body."""
-    check_fields(body, FIELDS)
-    reject_if_set(body, _REJECTED)
+    compat.check(body, compat.RESPONSES, "/v1/responses")
     _check_text_format(body.get("text"))
     if body.get("top_logprobs") not in (None, 0):
         raise OpenAIError("top_logprobs > 0 asks for top-k alternatives, which this engine does "
@@ -141,15 +121,14 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise OpenAIError(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
+        compat.kind(compat.RESPONSES_ITEMS, kind, "/v1/responses", f"{where}.type")
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":
             _add_call(messages, item, where)
         elif kind == "function_call_output":
             messages.append(_call_output(item, where))
-        else:
-            raise OpenAIError(f"{where}.type {kind!r} is not supported; use message, "
-                              "function_call or function_call_output", param=f"{where}.type")
+        # reasoning items (another model's) are dropped: compat.RESPONSES_ITEMS
     return messages
 
 

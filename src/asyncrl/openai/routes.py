@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP routes over any engine with `agenerate` and a tokenizer.
 
     GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: SSE)
+    POST /v1/responses, /v1/messages, /v1/messages/count_tokens (answered over chat)
+    GET|HEAD /  (200: the base URL answers)
 
 The engine is anything with `async agenerate(GenerationRequest) -> GenerationResponse`
 (the `InferenceEngine` protocol: our local engine, `LocalServerClient`, vLLM/SGLang
@@ -52,6 +54,7 @@ from asyncrl.api.types import (
     StopReason,
     mix_seed,
 )
+from asyncrl.openai.anthropic import AnthropicRoutes
 from asyncrl.openai.detokenize import (
     IncrementalDetokenizer,
     detokenize,
@@ -65,6 +68,7 @@ from asyncrl.openai.protocol import (
     parse_completion,
     template_renders_tools,
 )
+from asyncrl.openai.responses import ResponsesRoutes
 from asyncrl.openai.tool_calls import HERMES, ToolCallHold, tool_format
 
 
@@ -96,6 +100,11 @@ def _answers_errors(method: Method) -> Method:
             err = OpenAIError(f"generation failed: {e}", status=503, type="server_error")
             return web.json_response(err.body(), status=503)
     return wrapped
+
+
+async def root(request: web.Request) -> web.Response:
+    """GET or HEAD / : 200, for clients that check the base URL answers (Claude Code's HEAD)."""
+    return web.json_response({"ok": True})
 
 
 def openai_auth(api_key: str | None):
@@ -133,10 +142,19 @@ class OpenAIRoutes:
         self.created = int(time.time())
 
     def add_to(self, app: web.Application) -> None:
-        """Mount the routes on `app`."""
-        app.add_routes([web.get("/v1/models", self.models),
+        """Mount the routes on `app`: chat, completions, and Responses and Messages over chat."""
+        app.add_routes([web.get("/", root),
+                        web.get("/v1/models", self.models),
                         web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions)])
+        ResponsesRoutes(self._chat_fn, self.model_name).add_to(app)
+        AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn).add_to(app)
+
+    async def _chat_fn(self, request: web.Request, body: dict) -> dict:
+        return await self.chat_json(body)
+
+    async def _count_fn(self, request: web.Request, body: dict) -> int:
+        return self.prompt_length(body)
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": self.created,
@@ -169,6 +187,11 @@ class OpenAIRoutes:
                          self.native_tools)
         job.stream = False
         return await self._answer_json(job, chat=True)
+
+    def prompt_length(self, body: dict) -> int:
+        """The prompt token count of a chat `body` (OpenAIError if bad; no length limit)."""
+        return len(parse_chat(body, self.tokenizer, self.model_name, None,
+                              self.native_tools).prompts[0])
 
     # ---- answering ----------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ chat.completion back in its own shape. A streamed request is answered by replayi
 finished chat answer as that API's server-sent events, so a stream costs the same single
 generation and carries the same tokens.
 
-    ResponsesRoutes(chat, model_name).add_to(app)   # POST /v1/responses   (responses_api.py)
-    AnthropicRoutes(chat, model_name).add_to(app)   # POST /v1/messages    (anthropic_api.py)
+    ResponsesRoutes(chat, model_name).add_to(app)          # POST /v1/responses (responses.py)
+    AnthropicRoutes(chat, model_name, count).add_to(app)   # POST /v1/messages (anthropic.py)
 
 Our extension fields (`prompt_token_ids`, `token_ids`, `token_logprobs`, `token_versions`,
 see openai_api.py) travel as top-level keys of each answer; both SDKs keep
@@ -24,10 +24,12 @@ from typing import Any
 from aiohttp import web
 
 from asyncrl.api.errors import InferenceError
-from asyncrl.openai.protocol import OpenAIError
+from asyncrl.openai.errors import OpenAIError
 
 ChatFn = Callable[[web.Request, dict], Awaitable[dict]]
 """(request, chat body with stream False) -> the chat.completion dict; raises OpenAIError."""
+CountFn = Callable[[web.Request, dict], Awaitable[int]]
+"""(request, chat body) -> the prompt token count it would be answered with; OpenAIError."""
 
 EXTENSION_FIELDS = ("prompt_token_ids", "token_ids", "token_logprobs", "token_versions")
 
@@ -51,21 +53,6 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     return body
-
-
-def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    """400 naming the first field this route does not know (a typo is never ignored)."""
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise OpenAIError(f"unknown field {unknown[0]!r}; this server accepts {sorted(allowed)}",
-                          param=unknown[0])
-
-
-def reject_if_set(body: dict[str, Any], reasons: dict[str, str]) -> None:
-    """400 for a field we cannot honour, unless it is absent, null or false."""
-    for name, why in reasons.items():
-        if body.get(name) not in (None, False):
-            raise OpenAIError(f"{name} is not supported: {why}", param=name)
 
 
 def positive_int(body: dict[str, Any], name: str, *, required: bool = False) -> int | None:

@@ -364,6 +364,38 @@ def test_streamed_responses_and_anthropic_requests_are_recorded_too(tokenizer):
                                                                  add_special_tokens=False)
 
 
+def test_count_tokens_is_the_next_turns_prompt_length_and_records_nothing(tokenizer):
+    import anthropic
+
+    async def main():
+        proxy, engine = await start_proxy(tokenizer, ["first reply", "second"])
+        _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {})
+        claude = anthropic.AsyncAnthropic(base_url=root(proxy), api_key=s["api_key"])
+        first = await claude.messages.create(model="claude-x", max_tokens=16,
+                                             messages=[{"role": "user", "content": "hey"}])
+        history = [{"role": "user", "content": "hey"},
+                   {"role": "assistant", "content": first.content[0].text},
+                   {"role": "user", "content": "more"}]
+        counted = await claude.messages.count_tokens(model="claude-x", messages=history)
+        recorded_before = len(proxy.store.get(s["session_id"]).completions)
+        await claude.messages.create(model="claude-x", max_tokens=16, messages=history)
+        unkeyed, _, _ = await post(f"{root(proxy)}/v1/messages/count_tokens", None,
+                                   {"model": "m", "messages": history})
+        session = proxy.store.get(s["session_id"])
+        await proxy.stop()
+        return counted, recorded_before, session, unkeyed
+
+    counted, recorded_before, session, unkeyed = run(main())
+    assert recorded_before == 1 and len(session.completions) == 2 and unkeyed == 401
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hey"},
+         {"role": "assistant", "content": session.completions[0].text},
+         {"role": "user", "content": "more"}], tokenize=False, add_generation_prompt=True)
+    assert session.completions[0].text == "first reply"
+    assert counted.input_tokens == len(session.completions[1].prompt_ids) == len(
+        tokenizer.encode(text, add_special_tokens=False))
+
+
 @pytest.mark.parametrize("where", ["inline", "service"])
 def test_an_episode_whose_session_the_proxy_ended_is_dropped_not_failed(tokenizer, where):
     """The same episodes with the proxy in this process and behind the agent service's

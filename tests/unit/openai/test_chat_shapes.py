@@ -72,10 +72,22 @@ class FakeChat:
         return answer
 
 
-def shapes_app(chat: Any) -> web.Application:
+class FakeCount:
+    """A `CountFn` that answers `tokens` for every body; records the bodies."""
+
+    def __init__(self, tokens: int = 0):
+        self.tokens = tokens
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, request: web.Request, body: dict[str, Any]) -> int:
+        self.bodies.append(body)
+        return self.tokens
+
+
+def shapes_app(chat: Any, count: Any = None) -> web.Application:
     app = web.Application()
     ResponsesRoutes(chat, MODEL).add_to(app)
-    AnthropicRoutes(chat, MODEL).add_to(app)
+    AnthropicRoutes(chat, MODEL, count or FakeCount()).add_to(app)
     return app
 
 

@@ -46,15 +46,17 @@ def test_no_request_from_the_description_fails_the_server(url):
 def test_the_description_covers_the_data_plane_and_no_control_route(url):
     paths = set(requests.get(f"{url}/openapi.json", timeout=10).json()["paths"])
     assert paths == {"/health", "/version", "/generate", "/v1/models", "/v1/completions",
-                     "/v1/chat/completions"}
+                     "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                     "/v1/messages/count_tokens"}
 
 
 @pytest.mark.parametrize("method, path", [
     ("GET", "/version"), ("GET", "/v1/models"), ("POST", "/generate"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/pause"),
-    ("POST", "/update_weights"), ("GET", "/weights_checksum")])
+    ("POST", "/update_weights"), ("GET", "/weights_checksum"), ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses")])
 def test_every_route_but_health_needs_the_key(url, method, path):
-    for headers in ({}, {"Authorization": "Bearer wrong-key-0000"}):
+    for headers in ({}, {"Authorization": "Bearer wrong-key-0000"}, {"x-api-key": "wrong"}):
         assert requests.request(method, url + path, json={}, headers=headers,
                                 timeout=10).status_code == 401
     assert requests.get(url + "/health", timeout=10).status_code == 200
