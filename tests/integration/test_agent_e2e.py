@@ -81,7 +81,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("where", ["inline", "service"])
+@pytest.mark.parametrize("where", [pytest.param("inline", marks=pytest.mark.slow), "service"])
 def test_online_training_learns_from_an_outside_client(tmp_path, tiny_model, where):
     """A separate process that knows only the base_url and the admin key drives sessions,
     with the proxy in the controller or in the agent service's own process (grants)."""
@@ -142,6 +142,7 @@ def test_agent_service_process_runs_inline_agents(tmp_path, tiny_model, router):
     assert len(trained) == 2 * 2  # 2 steps x 2 episodes, each one group
 
 
+@pytest.mark.slow  # ~40 s
 def test_a_killed_agent_service_is_restarted_and_no_lost_session_is_trained(tmp_path,
                                                                              tiny_model):
     """The agent service SIGKILLed once step 1 is logged, sessions in flight: the trainer

@@ -55,7 +55,14 @@ def test_every_algorithm_has_a_cpu_and_a_gpu_config():
         assert cpu.name.replace("_cpu", "") in names
 
 
-@pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: p.stem)
+# Every suite runs GRPO and PPO (with its critic); the other recipes run with -m slow (their
+# algorithms' end-to-end tests, test_dapo_e2e, test_distill_e2e, test_kl_e2e, run in every suite).
+EVERY_SUITE = {"gsm8k_grpo_cpu.yaml", "gsm8k_ppo_cpu.yaml"}
+
+
+@pytest.mark.parametrize("config", [
+    p if p.name in EVERY_SUITE else pytest.param(p, marks=pytest.mark.slow)
+    for p in CPU_CONFIGS], ids=lambda p: p.stem)
 def test_cpu_example_runs_two_async_steps(tmp_path, tiny_model, toy_gsm8k, config):
     cfg = load_config(config, [
         f"cluster.fileroot={tmp_path / 'runs'}", f"actor.path={tiny_model}",

@@ -126,6 +126,7 @@ MOE_LAYER = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 32 + 8 * 64 + 8 * (64 * 64 + 64 * 32
 LORA_LAYER = 16 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
 
 
+@pytest.mark.slow  # ~30 s; tests/unit/trainer/test_lora_moe.py serves LoRA-on-MoE log-probs
 def test_lora_and_moe_steps_serve_the_trainers_logprobs(tmp_path):
     done, results = run_check(tmp_path, "lora", "moe")
     steps = rows(results)

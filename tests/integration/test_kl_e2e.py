@@ -24,7 +24,8 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
 
 
-@pytest.mark.parametrize("use_kl_loss", [False, True], ids=["in_reward", "kl_loss"])
+@pytest.mark.parametrize("use_kl_loss", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["in_reward", "kl_loss"])
 def test_kl_to_the_reference_is_zero_before_the_first_update(tmp_path, tiny_model, use_kl_loss):
     summary = train(_config(tmp_path, tiny_model, use_kl_loss))
     rows = [r for r in read_stats(Path(summary["run_dir"]) / "stats.jsonl") if r["kind"] == "train"]

@@ -53,7 +53,7 @@ def test_serve_binds_loopback_and_answers_health(tiny):
         assert proc.wait(30) == 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
 def test_no_server_outlives_its_trainer(tmp_path, tiny, sig):
     run = tmp_path / "runs" / "orphans" / "t"
     proc = subprocess.Popen(

@@ -32,7 +32,7 @@ def _train_killing_server(cfg, run: Path, index: int) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("router", ["inline", "service"])
+@pytest.mark.parametrize("router", [pytest.param("inline", marks=pytest.mark.slow), "service"])
 def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path, router):
     """With the controller's client routing, or the router service (which then drops,
     re-syncs and re-admits the server)."""
@@ -51,6 +51,7 @@ def test_a_killed_server_is_restarted_and_every_item_is_trained_once(tmp_path, r
     assert summary["run_dir"] == str(run)
 
 
+@pytest.mark.slow  # ~25 s; the killed-server test above restarts a server in every suite
 def test_the_only_server_killed_is_restarted_and_the_run_goes_on(tmp_path):
     """One server (the quickstart's layout): no other server takes its requests, so they
     wait for it; the trainer restarts it while waiting for a batch or when a weight update

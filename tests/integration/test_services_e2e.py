@@ -25,6 +25,7 @@ def _config(tmp_path, model, steps):
                            "recover.freq_steps=1", "saver.freq_steps=2", name="dp2")
 
 
+@pytest.mark.slow  # ~60 s; test_offline_ranks and test_all_services_as_processes cover its parts
 def test_two_trainer_ranks_train_publish_save_and_resume(tmp_path, tiny_model):
     train(_config(tmp_path, tiny_model, steps=2))
     summary = train(_config(tmp_path, tiny_model, steps=3))  # resumes at step 3
@@ -72,6 +73,7 @@ def test_weights_reach_the_servers_by_broadcast_in_the_rl_loop(tmp_path, tiny_mo
     assert rows[-1]["rollout/staleness_max"] <= 1
 
 
+@pytest.mark.slow  # ~30 s; tests/unit/weights/test_weight_broadcast.py gathers two ranks too
 def test_two_trainer_ranks_broadcast_their_weights(tmp_path, tiny_model):
     cfg = tiny_run_config(tmp_path, tiny_model, "allocation_mode=local:d1+fsdp:d2",
                           "actor.weight_update_mode=broadcast", name="dp2bcast")
@@ -109,7 +111,7 @@ def test_a_router_service_routes_generation_and_weight_updates(tmp_path, tiny_mo
             log.split(f"weights version {v} ")[1].split("\n")[0].count("on 2 server(s)") == 1
 
 
-@pytest.mark.parametrize("mode", ["disk", "broadcast"])
+@pytest.mark.parametrize("mode", ["disk", pytest.param("broadcast", marks=pytest.mark.slow)])
 def test_all_services_as_processes(tmp_path, tiny_model, mode):
     """Every role its own process: two servers behind the router, two trainer ranks, and the
     weight-update service carrying each version between them; the controller only talks."""

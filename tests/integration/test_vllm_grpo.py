@@ -10,7 +10,8 @@ from asyncrl.controller.rl import train
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm,
+              pytest.mark.slow]  # ~75 s; test_vllm_backend runs a vLLM server in every suite
 
 
 def test_four_async_grpo_steps_on_a_vllm_server(tmp_path):

@@ -20,7 +20,8 @@ from asyncrl.inference.client.vllm import VLLMClient
 from asyncrl.launch import LocalScheduler
 from asyncrl.models.tiny import make_tiny_model
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, needs_vllm,
+              pytest.mark.slow]  # ~60 s; test_vllm_backend runs a vLLM server in every suite
 
 N_REQUESTS = 48
 PROMPT_LEN = 120  # 48 x 120 = 5,760 prompt tokens: about three of vLLM's 2,048-token steps
