@@ -54,3 +54,30 @@ def test_hermes_agents_recorded_requests_are_answered(name, req):
     for m in body["messages"]:  # a tool turn: Hermes' result reaches the prompt verbatim
         if m["role"] == "tool":
             assert f"<tool_response>\n{m['content']}\n</tool_response>" in prompt
+
+
+CAMEL = FIXTURES / "camel" / "multiply.json"
+
+
+@pytest.mark.parametrize("name,req", _requests(CAMEL), ids=[n for n, _ in _requests(CAMEL)])
+def test_camel_agents_recorded_requests_are_answered(name, req):
+    tok = make_tiny_tokenizer()
+    engine = ScriptedEngine(tok, "The result is 1474772. <answer>1474772</answer>")
+    with serve_app(openai_app(engine, tok, "policy", max_model_len=1_000_000)) as url:
+        r = httpx.request(req["method"], f"{url}{req['path']}", headers=req["headers"],
+                          content=json.dumps(req["body"]))
+    assert r.status_code == 200, r.text
+    body = req["body"]
+    if req["path"] == "/v1/messages/count_tokens":
+        # the system text and the user turn, counted by the served tokenizer (one byte, one
+        # token here), plus the chat template's markup around them
+        assert r.json()["input_tokens"] > len(body["system"]) + len(body["messages"][0]["content"])
+        return
+    assert r.json()["choices"][0]["message"]["content"] == \
+        "The result is 1474772. <answer>1474772</answer>"
+    prompt = engine.prompts[0]
+    assert '"name": "multiply"' in prompt
+    tool_results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+    assert tool_results in ([], ["1474772"])  # 718 * 2054, the tool's answer, reached the model
+    for text in tool_results:
+        assert f"<tool_response>\n{text}\n</tool_response>" in prompt
