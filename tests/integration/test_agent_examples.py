@@ -7,6 +7,8 @@ sandbox, trajectories, two optimiser steps. The online example also runs its own
 a separate process that knows only the base_url and the admin key.
 """
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,7 +27,21 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
 # Slow (make test-slow) to keep CI within its time: 45 s, a Python process per sample;
 # test_agent_e2e.py runs a subprocess agent in CI.
-SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml"}
+# hermes_cpu.yaml: a Hermes process per session, each prompt ~6k tokens of the tiny model.
+# camel_cpu.yaml: a CAMEL process per session (~3 s of imports each).
+SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "hermes_cpu.yaml", "camel_cpu.yaml"}
+# Runtimes that live in their own environment (they pin packages the project's extras
+# cannot share): found on PATH or under the repository's .venv-<name>.
+HERMES = os.environ.get("ASYNCRL_HERMES") or shutil.which("hermes") or \
+    str(REPO / ".venv-hermes" / "bin" / "hermes")
+CAMEL_PYTHON = os.environ.get("ASYNCRL_CAMEL_PYTHON") or str(REPO / ".venv-camel" / "bin" / "python")
+
+
+def _has_camel(python: str) -> bool:
+    if python == "python":
+        python = sys.executable
+    return Path(python).is_file() and subprocess.run(
+        [python, "-c", "import camel.agents"], capture_output=True).returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +57,7 @@ def _free_port() -> int:
 
 def test_there_are_agent_examples():
     names = {p.parent.name for p in CPU_CONFIGS}
-    assert {"multiturn_math", "online", "openai_agents"} <= names
+    assert {"multiturn_math", "online", "openai_agents", "hermes", "camel"} <= names
 
 
 @pytest.mark.parametrize("path", [
@@ -60,15 +76,31 @@ def test_agent_example_runs_two_steps(path, tmp_path, tiny_model, monkeypatch):
         "evaluator.before_training=false", "evaluator.after_training=false",
         "scheduler.inference_threads=1", "scheduler.trainer_threads=1", "agent.timeout=300",
     ]
+    if path.parent.name == "camel":
+        if not _has_camel(CAMEL_PYTHON):
+            pytest.skip("CAMEL is not installed: python -m venv .venv-camel && "
+                        ".venv-camel/bin/pip install camel-ai==0.2.90 'mcp<2' "
+                        "(or set ASYNCRL_CAMEL_PYTHON to an interpreter that has it)")
+        monkeypatch.setenv("ASYNCRL_CAMEL_PYTHON", CAMEL_PYTHON)
     client = None
     if online:
         port = _free_port()
         overrides += [f"agent.port={port}", "agent.admin_key=admin-key-example"]
-        client = subprocess.Popen(
-            [sys.executable, str(REPO / "examples/agents/online/client.py"), "--base-url",
-             f"http://127.0.0.1:{port}", "--admin-key", "admin-key-example",
-             "--sessions", "100", "--concurrency", "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command = [sys.executable, str(path.parent / "client.py"), "--base-url",
+                   f"http://127.0.0.1:{port}", "--admin-key", "admin-key-example",
+                   "--sessions", "100"]
+        if path.parent.name == "hermes":
+            if not Path(HERMES).is_file():
+                pytest.skip("Hermes Agent is not installed: python -m venv .venv-hermes && "
+                            ".venv-hermes/bin/pip install hermes-agent==0.19.0 "
+                            "(or set ASYNCRL_HERMES to its hermes executable)")
+            # the byte-level tiny tokenizer makes Hermes' prompt ~6k tokens
+            overrides += ["local_engine.max_seq_len=16384"]
+            command += ["--hermes", HERMES, "--timeout", "120"]
+        else:
+            command += ["--concurrency", "2"]
+        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
     else:
         overrides += ["train_dataset.size=16", "train_dataset.batch_size=2"]
     try:

@@ -7,7 +7,8 @@
                                                     admin key: end it, return it whole
     GET  /rl/sessions                               admin key: counts and active sessions
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages,
-    /v1/messages/count_tokens; GET /v1/models       session key (Bearer, or x-api-key)
+    /v1/messages/count_tokens; GET /v1/models, /v1/models/{model}
+                                                    session key (Bearer, or x-api-key)
     GET|HEAD /                                      open: 200 (the base URL answers)
 
 An agent is configured with the proxy's base_url and a session key; whatever it sends,
@@ -291,6 +292,7 @@ class AgentProxy:
             web.post("/rl/close_session", self._close_session),
             web.get("/rl/sessions", self._sessions),
             web.get("/v1/models", self._models),
+            web.get("/v1/models/{model}", self._model),
             web.post("/v1/chat/completions", self._chat),
             web.post("/v1/completions", self._completions),
         ])
@@ -490,6 +492,12 @@ class AgentProxy:
     async def _models(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         return session if isinstance(session, web.Response) else await self.routes.models(request)
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        # Any model name is answered by the served policy, so any name is a model here.
+        session = self._session(request)
+        return session if isinstance(session, web.Response) else \
+            web.json_response(self.routes.card(request.match_info["model"]))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         async def answer() -> web.StreamResponse:

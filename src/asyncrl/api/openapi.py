@@ -87,6 +87,12 @@ def openai_paths(model_name: str | None) -> dict[str, Any]:
                                                            "enum": [model_name]}
     return {
         "/v1/models": _get("the served model"),
+        "/v1/models/{model}": {"get": {
+            "summary": "the served model's card by name (404 for another name; any name "
+                       "under the agent proxy)",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": _OK, "401": _ERROR, "404": _ERROR}}},
         "/v1/completions": _post("OpenAI text completions", _OPENAI_SAMPLING | {
             "model": model, "prompt": {"oneOf": [{"type": "string"}, _INT_LIST]},
         }, ["model", "prompt"]),

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP routes over any engine with `agenerate` and a tokenizer.
 
-    GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: SSE)
+    GET /v1/models, /v1/models/{model}, POST /v1/completions, /v1/chat/completions (SSE)
     POST /v1/responses, /v1/messages, /v1/messages/count_tokens (answered over chat)
     GET|HEAD /  (200: the base URL answers)
 
@@ -145,6 +145,7 @@ class OpenAIRoutes:
         """Mount the routes on `app`: chat, completions, and Responses and Messages over chat."""
         app.add_routes([web.get("/", root),
                         web.get("/v1/models", self.models),
+                        web.get("/v1/models/{model}", self.model),
                         web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions)])
         ResponsesRoutes(self._chat_fn, self.model_name).add_to(app)
@@ -156,10 +157,22 @@ class OpenAIRoutes:
     async def _count_fn(self, request: web.Request, body: dict) -> int:
         return self.prompt_length(body)
 
+    def card(self, name: str) -> dict[str, Any]:
+        """The model object OpenAI's /v1/models answers with, for the served model."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "asyncrl",
+                "max_model_len": self.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "asyncrl", "max_model_len": self.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response({"object": "list", "data": [self.card(self.model_name)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the served model's card; any other name is OpenAI's 404."""
+        name = request.match_info["model"]
+        if name != self.model_name:
+            error = OpenAIError(f"The model '{name}' does not exist", status=404,
+                                param="model", code="model_not_found")
+            return web.json_response(error.body(), status=404)
+        return web.json_response(self.card(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.answer_completion(request, await _json_or_none(request))

@@ -376,3 +376,13 @@ def test_max_tokens_zero_generates_nothing_and_counts_the_prompt():
     msg = r.json()
     assert (msg["content"], msg["stop_reason"]) == ([], "max_tokens")
     assert (msg["usage"]["input_tokens"], msg["usage"]["output_tokens"]) == (n, 0)
+
+
+def test_a_model_is_retrieved_by_its_name_and_another_name_is_openais_404():
+    tok = make_tiny_tokenizer()
+    with serve_app(openai_app(ScriptedEngine(tok, "hi"), tok, MODEL, max_model_len=512)) as url:
+        card = httpx.get(f"{url}/v1/models/{MODEL}").json()
+        missing = httpx.get(f"{url}/v1/models/other")
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", 512)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
