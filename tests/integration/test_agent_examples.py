@@ -30,7 +30,10 @@ SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml"}
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
+    # 4096 positions: the customer-service prompt (policy and four tools) alone is ~2100
+    # characters, and the tiny tokenizer has one token per character.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama",
+                           max_position_embeddings=4096)
 
 
 def _free_port() -> int:
