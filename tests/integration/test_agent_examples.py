@@ -24,8 +24,10 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
 # Slow (make test-slow) to keep CI within its time: 45 s, a Python process per sample;
-# test_agent_e2e.py runs a subprocess agent in CI.
-SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml"}
+# test_agent_e2e.py runs a subprocess agent in CI. Customer service: 90 s (up to six agent
+# calls and three customer calls per session, on prompts of ~2100 tiny-tokenizer tokens);
+# tests/unit/agents/test_customer_service.py runs its agent through the proxy in CI.
+SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "customer_service_cpu.yaml"}
 
 
 @pytest.fixture(scope="module")
