@@ -41,7 +41,8 @@ _STREETS = ["Oak Street", "Elm Road", "Mill Lane", "Park Avenue", "River Road", 
             "Church Lane", "Station Road", "Maple Drive", "Bridge Street"]
 HELD_OUT_FRACTION = 0.2
 
-POLICY = """You are a customer service agent of an online shop. Use the tools to read and change orders.
+POLICY = """You are a customer service agent of an online shop. \
+Use the tools to read and change orders.
 Policy:
 - Always look the order up with get_order first.
 - Only a pending order can be cancelled or have its address changed.
