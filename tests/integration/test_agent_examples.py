@@ -26,10 +26,13 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
 # Slow (make test-slow) to keep CI within its time: 45 s, a Python process per sample;
-# test_agent_e2e.py runs a subprocess agent in CI.
+# test_agent_e2e.py runs a subprocess agent in CI. Customer service: 90 s (up to six agent
+# calls and three customer calls per session, on prompts of ~2100 tiny-tokenizer tokens);
+# tests/unit/agents/test_customer_service.py runs its agent through the proxy in CI.
 # hermes_cpu.yaml: a Hermes process per session, each prompt ~6k tokens of the tiny model.
 # camel_cpu.yaml: a CAMEL process per session (~3 s of imports each).
-SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "hermes_cpu.yaml", "camel_cpu.yaml"}
+SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "hermes_cpu.yaml", "camel_cpu.yaml",
+                 "customer_service_cpu.yaml"}
 # Runtimes that live in their own environment (they pin packages the project's extras
 # cannot share): found on PATH or under the repository's .venv-<name>.
 HERMES = os.environ.get("ASYNCRL_HERMES") or shutil.which("hermes") or \
@@ -46,7 +49,10 @@ def _has_camel(python: str) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
+    # 4096 positions: the customer-service prompt (policy and four tools) alone is ~2100
+    # characters, and the tiny tokenizer has one token per character.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama",
+                           max_position_embeddings=4096)
 
 
 def _free_port() -> int:

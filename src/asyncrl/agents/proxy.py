@@ -9,6 +9,9 @@
     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages,
     /v1/messages/count_tokens; GET /v1/models, /v1/models/{model}
                                                     session key (Bearer, or x-api-key)
+    POST /untrained/v1/chat/completions             session key: the served model for a
+                                                    session's other party (a simulated
+                                                    user), its own sampling, not recorded
     GET|HEAD /                                      open: 200 (the base URL answers)
 
 An agent is configured with the proxy's base_url and a session key; whatever it sends,
@@ -28,6 +31,10 @@ prompt and output ids, log-probs and weight versions (`agents/capture.py`).
 - Idle sessions end after `session_timeout` seconds with status `timed_out`; a session
   more than `max_session_version_lag` versions behind the served weights ends with status
   `version_lag` and its requests get 409. Both are counted and logged, never trained.
+- Untrained calls: a conversation partner played by the served model (a simulated user, a
+  judge) talks through `/untrained/v1` with its session's key. It samples as its request
+  says (the trainer's sampling is not forced on it) and nothing of it is recorded, so its
+  tokens never reach a trajectory; only its count is kept (`sessions/untrained_completions`).
 - Restarts: sessions live in the proxy's memory. A key or session id that an earlier
   process of the proxy issued gets 410 `session_lost` (its session is gone, none of it is
   trained), not 401.
@@ -212,7 +219,11 @@ class AgentProxy:
         self.admission = admission or SessionLimit(self.store, 256)
         self.routes = OpenAIRoutes(RecordingEngine(engine), tokenizer, model_name,
                                    max_model_len=max_model_len, tool_parser=tool_parser)
-        self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0}
+        # The same engine unwrapped: what it generates is never recorded (`_untrained_chat`).
+        self.untrained = OpenAIRoutes(engine, tokenizer, model_name,
+                                      max_model_len=max_model_len, tool_parser=tool_parser)
+        self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0,
+                       "untrained_completions": 0}
         self._raw: dict[str, dict[str, str]] = {}  # session id -> assistant key -> raw text
         self._ended_keys: OrderedDict[str, str] = OrderedDict()  # key -> session id
         self._ended_ids: deque[str] = deque()  # ended sessions still held, oldest first
@@ -295,6 +306,7 @@ class AgentProxy:
             web.get("/v1/models/{model}", self._model),
             web.post("/v1/chat/completions", self._chat),
             web.post("/v1/completions", self._completions),
+            web.post("/untrained/v1/chat/completions", self._untrained_chat),
         ])
         responses = ResponsesRoutes(self._chat_fn, self.model_name)
         messages = AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn)
@@ -516,6 +528,24 @@ class AgentProxy:
             _current.get().body = body
             return await self.routes.answer_completion(request, body)
         return await self._recorded(request, "completions", answer)
+
+    async def _untrained_chat(self, request: web.Request) -> web.StreamResponse:
+        """A chat completion for the other party of a session (a simulated user): the
+        request's own sampling, nothing recorded, so none of it is ever trained."""
+        session = self._session(request)
+        if isinstance(session, web.Response):
+            return session
+        body = await _json_or_none(request)
+        if isinstance(body, dict):
+            body = {**body, "model": self.model_name}
+        self.counts["untrained_completions"] += 1
+        session.inflight += 1  # an idle timeout waits for it, as for the agent's own calls
+        session.touch()
+        try:
+            return await self.untrained.answer_chat(request, body)
+        finally:
+            session.inflight -= 1
+            session.touch()
 
     async def _chat_fn(self, request: web.Request, chat_body: dict) -> dict:
         """The chat callable under /v1/responses and /v1/messages (inside `_recorded`)."""

@@ -155,6 +155,11 @@ def agent_proxy(model_name: str) -> dict[str, Any]:
             "reward": _REWARD, "failure": {"type": "string"}}),
         "/rl/sessions": _get("session counts and the active sessions (admin key)"),
         **openai_paths(None),
+        "/untrained/v1/chat/completions": _post(
+            "chat for a session's other party (a simulated user): its own sampling, never "
+            "recorded or trained", _OPENAI_SAMPLING | {"model": {"type": "string"},
+                                                       "messages": _MESSAGES},
+            ["model", "messages"]),
     }, api_key=True)
 
 

@@ -491,3 +491,56 @@ def test_stopping_the_proxy_does_not_wait_for_generations_in_flight(tokenizer):
     # aiohttp waits twice (closing the site, then the server): 2 x 3 s here, not 2 x 60
     assert took < 2 * SHUTDOWN_GRACE_S + 3
     assert status is SessionStatus.CANCELLED
+
+
+def test_a_simulated_users_calls_are_answered_with_its_own_sampling_and_never_captured(
+        tokenizer):
+    """Agent, user, agent: the engine answers all three, the session keeps only the two
+    agent turns, and the one trajectory's loss covers exactly the agent's sampled tokens."""
+    from asyncrl.agents.user import ModelUser
+
+    async def main():
+        proxy, engine = await start_proxy(tokenizer, ["agent one", "user says hi", "agent two"],
+                                          sampling={"temperature": 1.0, "max_new_tokens": 8})
+        _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {})
+        client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=s["api_key"])
+        user = ModelUser(proxy.base_url, s["api_key"], system="You are a customer.",
+                         opening="hello", temperature=0.0, max_tokens=20)
+        messages = [{"role": "user", "content": "hello"}]
+        first = await client.chat.completions.create(model="m", messages=messages)
+        said = first.choices[0].message.content
+        reply = await user.reply(said)
+        messages += [{"role": "assistant", "content": said}, {"role": "user", "content": reply}]
+        await client.chat.completions.create(model="m", messages=messages)
+        await user.close()
+        stats = proxy.stats()
+        await post(f"{root(proxy)}/rl/end_session", s["api_key"], {})
+        # An ended session's key no longer reaches the untrained route either.
+        late = await post(f"{root(proxy)}/untrained/v1/chat/completions", s["api_key"],
+                          {"model": "u", "messages": [{"role": "user", "content": "x"}]})
+        wrong = await post(f"{root(proxy)}/untrained/v1/chat/completions", "sk-nobody-123",
+                           {"model": "u", "messages": [{"role": "user", "content": "x"}]})
+        session = proxy.store.get(s["session_id"])
+        await proxy.stop()
+        return session, engine, reply, stats, late[0], wrong[0]
+
+    session, engine, reply, stats, late, wrong = run(main())
+    assert reply == "user says hi"
+    assert (late, wrong) == (409, 401)
+    assert len(engine.calls) == 3 and stats["sessions/untrained_completions"] == 1.0
+    # The user's call kept its own temperature and token cap; the agent's were forced.
+    samplings = [(c.sampling.temperature, c.sampling.max_new_tokens) for c in engine.calls]
+    assert samplings == [(1.0, 8), (0.0, 20), (1.0, 8)]
+    assert [c.text for c in session.completions] == ["agent one", "agent two"]
+    out = export(session.completions, style="tree", discount=1.0, group_id="g")
+    assert (len(out.trajectories), out.merged) == (1, 1)
+    [traj] = out.trajectories
+    trained = [t for t, m in zip(traj.input_ids, traj.loss_mask) if m]
+    eos = tokenizer.eos_token_id
+    assert trained == tokenizer.encode("agent one") + [eos] + tokenizer.encode("agent two") + [eos]
+    # The user's words sit in the prompt of the second turn, masked out, never as output.
+    user_ids = tokenizer.encode("user says hi")
+    n = len(user_ids)
+    starts = [i for i in range(len(traj.input_ids) - n + 1)
+              if traj.input_ids[i:i + n] == user_ids]
+    assert starts and all(not any(traj.loss_mask[i:i + n]) for i in starts)
