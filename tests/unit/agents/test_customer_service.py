@@ -269,7 +269,7 @@ def test_the_example_agent_scores_a_worked_episode_and_trains_only_its_own_turns
     the customer, thanks it: reward 1, and the captured trajectory is the agent's turns."""
     from asyncrl.agents.proxy import AgentProxy
     from asyncrl.models.tiny import make_tiny_tokenizer
-    from tests.unit.agents.test_agent_proxy import ScriptedEngine
+    from scripted_engine import ScriptedEngine
 
     def hermes(text, name, **args):
         body = json.dumps({"name": name, "arguments": args})
