@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
 # Slow (make test-slow) to keep CI within its time: 45 s, a Python process per sample;
 # test_agent_e2e.py runs a subprocess agent in CI.
-SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml"}
+# claude_code_cpu.yaml: 200 s here (a Claude Code process per session);
+# test_claude_code.py runs its traffic checks in the default suite.
+SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "claude_code_cpu.yaml"}
 
 
 @pytest.fixture(scope="module")
