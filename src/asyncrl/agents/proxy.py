@@ -118,6 +118,7 @@ class _Record:
     body: Any = None
     responses: list[tuple[int, GenerationResponse]] = field(default_factory=list)
     index: int = 0
+    lost: bool = False  # the client went away before the answer reached it
 
 
 _current: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("agent_request",
@@ -137,7 +138,9 @@ class RecordingEngine:
         index, rec.index = rec.index, rec.index + 1
         futures = rec.session.retry_cache.setdefault(rec.key, [])
         if rec.replay and index < len(futures):
-            return await asyncio.shield(futures[index])
+            resp = await asyncio.shield(futures[index])
+            rec.responses.append((index, resp))  # recorded here if the first answer was lost
+            return resp
         # The session's turns go to one server, where their shared prefix is.
         req = dataclasses.replace(req, sampling=_override(req.sampling, rec.session.sampling),
                                   affinity=rec.session.id)
@@ -223,8 +226,9 @@ class AgentProxy:
         self.untrained = OpenAIRoutes(engine, tokenizer, model_name,
                                       max_model_len=max_model_len, tool_parser=tool_parser)
         self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0,
-                       "untrained_completions": 0}
+                       "untrained_completions": 0, "lost_answers": 0}
         self._raw: dict[str, dict[str, str]] = {}  # session id -> assistant key -> raw text
+        self._samples: dict[str, set[int]] = {}  # session id -> ids of the samples recorded
         self._ended_keys: OrderedDict[str, str] = OrderedDict()  # key -> session id
         self._ended_ids: deque[str] = deque()  # ended sessions still held, oldest first
         self._runner: web.AppRunner | None = None
@@ -261,7 +265,9 @@ class AgentProxy:
             return "failed" if self.store.end(session, SessionStatus.FAILED, failure) \
                 else "already_ended"
         if reward is not None and not session.completions:
-            self.store.end(session, SessionStatus.FAILED, "no model call")
+            refused = f"; its last refused request: {session.refused[-1]}" if session.refused \
+                else ""
+            self.store.end(session, SessionStatus.FAILED, "no model call" + refused)
             return "no_completion"
         if not session.active:
             if session.status is SessionStatus.ENDED and reward is not None:
@@ -280,6 +286,7 @@ class AgentProxy:
         while len(self._ended_ids) > _MAX_ENDED_SESSIONS:  # their exports are long done
             self.store.forget(self.store.by_id[self._ended_ids.popleft()])
         self._raw.pop(session.id, None)
+        self._samples.pop(session.id, None)
         session.retry_cache.clear()
         if self.on_end is not None:
             self.on_end(session)
@@ -612,7 +619,18 @@ class AgentProxy:
         session.inflight += 1
         session.touch()
         try:
-            return await answer()
+            response = await answer()
+            if response.status >= 400:
+                session.note_refused(f"{request.method} {request.path} {response.status}: "
+                                     f"{_error_message(response)}")
+            # An answer not yet sent (not streamed) to a client that has hung up (its own
+            # timeout) never reaches it: what the agent saw is what its retry gets.
+            rec.lost = not response.prepared and (request.transport is None or
+                                                  request.transport.is_closing())
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            rec.lost = True  # a stream cut off by the client
+            raise
         finally:
             session.inflight -= 1
             session.touch()
@@ -622,13 +640,24 @@ class AgentProxy:
     def _commit(self, rec: _Record, route: str) -> None:
         """Add the request's samples to its session, in choice order."""
         session = rec.session
-        if not rec.responses:
+        seen = self._samples.get(session.id, set())
+        fresh = [(i, r) for i, r in rec.responses if id(r) not in seen]  # a replay: once
+        if not fresh:
+            return
+        if rec.lost:
+            self.counts["lost_answers"] += len(fresh)
+            logger.info("session %s: the client left before its answer arrived; %d samples "
+                        "not recorded (a retry of the request records what it gets)",
+                        session.id, len(fresh))
             return
         if not session.active:
-            self.counts["late_completions"] += len(rec.responses)
+            self.counts["late_completions"] += len(fresh)
             logger.warning("session %s ended (%s) while a request was answered; %d samples "
-                           "not recorded", session.id, session.status.value, len(rec.responses))
+                           "not recorded", session.id, session.status.value, len(fresh))
             return
+        rec.responses = fresh
+        # ids stay unique: retry_cache holds the samples until the session ends
+        self._samples.setdefault(session.id, set()).update(id(r) for _, r in fresh)
         body = rec.body if isinstance(rec.body, dict) else {}
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
@@ -671,6 +700,17 @@ class LocalSessions:
         session = self.proxy.store.by_id.get(session_id)
         if session is not None:
             self.proxy.end_session(session, SessionStatus.FAILED, reason)
+
+
+def _error_message(response: web.StreamResponse) -> str:
+    """The message of an error answer, OpenAI's or Anthropic's shape (else its status text)."""
+    body = getattr(response, "body", None)
+    try:
+        error = json.loads(body)["error"] if isinstance(body, bytes) else {}
+    except (json.JSONDecodeError, KeyError, TypeError):
+        error = {}
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message) if message else (response.reason or "")
 
 
 def _is_reward(value: Any) -> bool:

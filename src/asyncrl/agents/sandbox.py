@@ -18,6 +18,9 @@ once per process, and every result says which fences were in force (`isolation`)
                 system, the interpreter and the working dir (no ~/.ssh, no /proc/<pid>/environ
                 of the parent); with ABI >= 4 no TCP, with ABI >= 6 no signals or abstract unix
                 sockets outside the sandbox.
+- ``tcp_ports``: with the network allowed and `SandboxLimits.tcp_ports` set, TCP connect only
+                to those ports and no TCP bind (Landlock ABI >= 4): an agent runtime reaches
+                its model's proxy and nothing else over TCP.
 - ``seccomp``:  socket() of any family but AF_UNIX, and io_uring, fail with EPERM.
 
 The fences are set up by this very file run as a script (``python -I -S sandbox.py``), a
@@ -58,6 +61,7 @@ _LL_WRITE_DIR = sum(1 << i for i in range(4, 13))  # remove dir/file, make char.
 _LL_REFER, _LL_TRUNCATE = 1 << 13, 1 << 14
 _LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE
 _LL_NET_TCP = (1 << 0) | (1 << 1)  # bind, connect
+_LL_NET_CONNECT, _LL_RULE_NET_PORT = 1 << 1, 2
 _LL_SCOPE_UNIX, _LL_SCOPE_SIGNAL = 1 << 0, 1 << 1
 _SYS_LANDLOCK = (444, 445, 446)  # create_ruleset, add_rule, restrict_self (all arches)
 
@@ -87,11 +91,19 @@ class SandboxLimits:
     file_mb: int = 16          # RLIMIT_FSIZE
     output_chars: int = 4000   # stdout and stderr are each cut to this, with a marker
     network: bool = False      # False: no network at all
+    # With network=True: TCP connect only to these ports, no TCP bind (None: any port)
+    tcp_ports: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("cpu_s", "wall_s", "memory_mb", "max_procs", "file_mb", "output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)}")
+        if self.tcp_ports is not None and not self.network:
+            raise ValueError("SandboxLimits.tcp_ports needs network=True (without it no TCP "
+                             "connection is possible at all)")
+        if self.tcp_ports is not None and not all(
+                isinstance(p, int) and 0 < p < 65536 for p in self.tcp_ports):
+            raise ValueError(f"SandboxLimits.tcp_ports must be ports 1-65535, got {self.tcp_ports}")
 
 
 @dataclass(kw_only=True)
@@ -267,6 +279,7 @@ def _launcher_config(ws: _Workspace, limits: SandboxLimits, want: tuple[str, ...
         "read": sorted(set(_SYSTEM_READ) | prefixes | packages | set(read_paths)),
         "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "max_procs": limits.max_procs,
         "file_mb": limits.file_mb, "network": limits.network, "uid": ws.uid,
+        "tcp_ports": None if limits.tcp_ports is None else list(limits.tcp_ports),
         "want": list(want), "strict": strict, "status_fd": status_fd,
     })
 
@@ -488,7 +501,8 @@ def _landlock(libc: ctypes.CDLL, cfg: dict) -> None:
     write = _LL_WRITE_FILE | _LL_WRITE_DIR
     write |= (_LL_REFER if abi >= 2 else 0) | (_LL_TRUNCATE if abi >= 3 else 0)
     read = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
-    net = _LL_NET_TCP if abi >= 4 and not cfg["network"] else 0
+    ports = cfg.get("tcp_ports")
+    net = _LL_NET_TCP if abi >= 4 and (not cfg["network"] or ports is not None) else 0
     scoped = _LL_SCOPE_SIGNAL | (0 if cfg["network"] else _LL_SCOPE_UNIX) if abi >= 6 else 0
     attr = struct.pack("QQQ", read | write, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
     ruleset = _check(libc.syscall(create, attr, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0)),
@@ -505,6 +519,10 @@ def _landlock(libc: ctypes.CDLL, cfg: dict) -> None:
         rule = struct.pack("=Qi", access, fd)
         _check(libc.syscall(add_rule, ruleset, 1, rule, ctypes.c_uint32(0)), f"landlock {path}")
         os.close(fd)
+    for port in ports if net and cfg["network"] else ():  # struct landlock_net_port_attr
+        rule = struct.pack("=QQ", _LL_NET_CONNECT, port)
+        _check(libc.syscall(add_rule, ruleset, _LL_RULE_NET_PORT, rule, ctypes.c_uint32(0)),
+               f"landlock tcp port {port}")
     _check(libc.syscall(restrict, ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
     os.close(ruleset)
 
@@ -591,6 +609,9 @@ def _launch(cfg: dict, argv: list[str]) -> None:
     attempt(("rlimits",), _set_rlimits, cfg)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     attempt(("landlock",), _landlock, libc, cfg)
+    if "landlock" in applied and cfg["network"] and cfg["tcp_ports"] is not None and \
+            libc.syscall(_SYS_LANDLOCK[0], None, ctypes.c_size_t(0), ctypes.c_uint32(1)) >= 4:
+        applied.append("tcp_ports")
     if not cfg["network"]:
         attempt(("seccomp",), _seccomp, libc)
     if "pidns" in applied:  # the launcher killed (wall timeout) -> pid 1 dies -> all die

@@ -26,6 +26,9 @@ from asyncrl.agents.capture import Completion
 logger = logging.getLogger(__name__)
 
 
+_MAX_REFUSED = 4
+
+
 class SessionStatus(str, enum.Enum):
     ACTIVE = "active"
     ENDED = "ended"  # ended by its agent (end_session, a new session on its key, agent returned)
@@ -57,6 +60,9 @@ class Session:
     completions: list[Completion] = field(default_factory=list)
     status: SessionStatus = SessionStatus.ACTIVE
     reason: str = ""  # why it ended, in words
+    # The last few generation requests the proxy refused ("POST /v1/messages 400: ..."), so
+    # that a session which never got an answer says why (e.g. a prompt the context cannot hold)
+    refused: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     inflight: int = 0  # requests being answered now (an idle timeout waits for them)
@@ -87,6 +93,10 @@ class Session:
         target.reward = float(reward)
         return target
 
+    def note_refused(self, what: str) -> None:
+        """Keep a refused request's answer (the last `_MAX_REFUSED`)."""
+        self.refused = [*self.refused, what][-_MAX_REFUSED:]
+
     @property
     def has_reward(self) -> bool:
         return any(c.reward is not None for c in self.completions)
@@ -95,6 +105,7 @@ class Session:
         """The session as JSON with its completions (what a remote workflow exports)."""
         return {"session_id": self.id, "task_id": self.task_id, "status": self.status.value,
                 "reason": self.reason, "start_version": self.start_version,
+                "refused": list(self.refused),
                 "completions": [c.to_dict() for c in self.completions]}
 
     @classmethod
@@ -103,11 +114,13 @@ class Session:
         return cls(id=record["session_id"], api_key="", task_id=record["task_id"],
                    start_version=record["start_version"],
                    status=SessionStatus(record["status"]), reason=record["reason"],
+                   refused=list(record.get("refused", [])),
                    completions=[Completion.from_dict(c) for c in record["completions"]])
 
     def summary(self) -> dict[str, Any]:
         return {"session_id": self.id, "task_id": self.task_id, "status": self.status.value,
                 "reason": self.reason, "n_completions": len(self.completions),
+                "refused": list(self.refused),
                 "start_version": self.start_version,
                 "rewards": [c.reward for c in self.completions],
                 "age_s": round(time.monotonic() - self.created, 3)}

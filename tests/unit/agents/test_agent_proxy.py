@@ -526,3 +526,66 @@ def test_a_simulated_users_calls_are_answered_with_its_own_sampling_and_never_ca
     starts = [i for i in range(len(traj.input_ids) - n + 1)
               if traj.input_ids[i:i + n] == user_ids]
     assert starts and all(not any(traj.loss_mask[i:i + n]) for i in starts)
+
+
+def test_a_session_whose_only_request_was_too_long_fails_saying_so(tokenizer):
+    """A runtime that exits 0 after its first request was refused (Claude Code prints the
+    error and returns a result): the session fails and its reason quotes the refusal."""
+    import anthropic
+
+    async def main():
+        proxy, engine = await start_proxy(tokenizer, ["never"], max_model_len=64)
+        _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {"task_id": "t"})
+        claude = anthropic.AsyncAnthropic(base_url=root(proxy), api_key=s["api_key"],
+                                          max_retries=0)
+        with pytest.raises(anthropic.BadRequestError):
+            await claude.messages.create(model="claude-x", max_tokens=16,
+                                         messages=[{"role": "user", "content": "x" * 100}])
+        session = proxy.store.get(s["session_id"])
+        outcome = proxy.close_session(session, reward=1.0)
+        summary = session.summary()
+        await proxy.stop()
+        return outcome, session, summary, engine
+
+    outcome, session, summary, engine = run(main())
+    # ChatML over a byte tokenizer: <|im_start|> "user\n" + 100 bytes <|im_end|> "\n" and the
+    # generation prompt <|im_start|> "assistant\n" = 1 + 5 + 100 + 1 + 1 + 1 + 10 tokens.
+    refusal = ("POST /v1/messages 400: prompt is too long: 119 tokens > 63 maximum")
+    assert outcome == "no_completion" and engine.calls == []
+    assert session.status is SessionStatus.FAILED
+    assert session.reason.startswith(f"no model call; its last refused request: {refusal}")
+    assert summary["refused"][0].startswith(refusal)
+
+
+@pytest.mark.parametrize("retry_header", ["0", "1"])
+def test_an_answer_the_client_gave_up_on_is_not_recorded_its_retry_is(tokenizer, retry_header):
+    """A client that times out and sends the same request again (Claude Code does, with
+    retry count 0; SDKs with 1): the session holds exactly the sample the client got."""
+    class Slow(ScriptedEngine):
+        async def agenerate(self, req):
+            if not self.calls:
+                await asyncio.sleep(0.5)  # past the client's first timeout
+            return await super().agenerate(req)
+
+    async def main():
+        engine = Slow(tokenizer, ["lost", "kept"])
+        proxy = AgentProxy(engine, tokenizer, "policy", admin_key=ADMIN)
+        await proxy.start("127.0.0.1", 0)
+        _, s, _ = await post(f"{root(proxy)}/rl/start_session", ADMIN, {})
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        url = f"{proxy.base_url}/chat/completions"
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(post(url, s["api_key"], body), 0.1)
+        await asyncio.sleep(0.6)  # the first answer is ready and finds its client gone
+        _, got, _ = await post(url, s["api_key"], body, {"x-stainless-retry-count": retry_header})
+        session = proxy.store.get(s["session_id"])
+        await proxy.stop()
+        return got, session, proxy, engine
+
+    got, session, proxy, engine = run(main())
+    replayed = retry_header == "1"  # the first sample again, else a new one
+    assert got["choices"][0]["message"]["content"] == ("lost" if replayed else "kept")
+    assert [c.text for c in session.completions] == [got["choices"][0]["message"]["content"]]
+    assert session.completions[0].output_ids == got["choices"][0]["token_ids"]
+    assert len(engine.calls) == (1 if replayed else 2)
+    assert proxy.counts["lost_answers"] == 1

@@ -146,6 +146,28 @@ def test_same_connect_works_when_network_is_allowed():
         assert result.stdout == "connected\n", result
 
 
+def test_tcp_ports_let_the_sandbox_reach_only_the_ports_named():
+    require("landlock")
+    with socket.create_server(("127.0.0.1", 0)) as allowed, \
+            socket.create_server(("127.0.0.1", 0)) as other:
+        ports = allowed.getsockname()[1], other.getsockname()[1]
+        sandbox = Sandbox(SandboxLimits(network=True, tcp_ports=(ports[0],)))
+
+        def connect(port):
+            return asyncio.run(sandbox.run([sys.executable, "-I", "-c", CONNECT, str(port)]))
+
+        reached, refused = connect(ports[0]), connect(ports[1])
+    if "tcp_ports" not in reached.isolation:
+        pytest.skip("Landlock here has no TCP port rules (ABI < 4)")
+    assert reached.stdout == "connected\n", reached
+    assert refused.stdout.startswith("blocked PermissionError"), refused
+
+
+def test_tcp_ports_without_network_is_refused_when_configured():
+    with pytest.raises(ValueError, match="tcp_ports needs network=True"):
+        SandboxLimits(tcp_ports=(8000,))
+
+
 def test_write_outside_the_workdir_is_blocked():
     require("landlock")
     outside = Path(tempfile.mkdtemp(prefix="sandbox-test-"))

@@ -127,7 +127,7 @@ class AgentWorkflow:
         outcome, session = await host.close(sid, reward=None if reward is None else float(reward))
         if outcome == "no_completion":
             raise AgentError(f"agent returned reward {reward} but made no model call "
-                             f"through the proxy (session {sid})")
+                             f"through the proxy (session {sid}: {session.reason})")
         if session.status is not SessionStatus.ENDED:  # ended from outside: not trainable
             raise SessionDropped(f"session {sid} {session.status.value}: {session.reason}")
         if not session.has_reward:
