@@ -81,7 +81,8 @@ def test_the_reward_records_the_sandbox_limits_and_isolation_of_the_run():
     assert (info["tests"], info["passed"], info["exit_code"], info["timed_out"]) == \
         (2, 2, 0, False)
     assert info["limits"] == {"cpu_s": 5.0, "wall_s": 10.0, "memory_mb": 1024, "max_procs": 32,
-                              "file_mb": 16, "output_chars": 4000, "network": False}
+                              "file_mb": 16, "output_chars": 4000, "network": False,
+                              "tcp_ports": None}
     assert "rlimits" in info["isolation"]  # always applied; the rest as the kernel allows
     json.dumps(info)  # goes into trajectory meta and JSONL logs as it is
 
