@@ -45,13 +45,14 @@ def test_no_request_from_the_description_fails_the_server(url):
 
 def test_the_description_covers_the_data_plane_and_no_control_route(url):
     paths = set(requests.get(f"{url}/openapi.json", timeout=10).json()["paths"])
-    assert paths == {"/health", "/version", "/generate", "/v1/models", "/v1/completions",
-                     "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                     "/v1/messages/count_tokens"}
+    assert paths == {"/health", "/version", "/generate", "/v1/models", "/v1/models/{model}",
+                     "/v1/completions", "/v1/chat/completions", "/v1/responses",
+                     "/v1/messages", "/v1/messages/count_tokens"}
 
 
 @pytest.mark.parametrize("method, path", [
-    ("GET", "/version"), ("GET", "/v1/models"), ("POST", "/generate"),
+    ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/v1/models/policy"),
+    ("POST", "/generate"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/pause"),
     ("POST", "/update_weights"), ("GET", "/weights_checksum"), ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses")])
