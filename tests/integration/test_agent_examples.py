@@ -32,9 +32,10 @@ CPU_CONFIGS = sorted((REPO / "examples" / "agents").rglob("*_cpu.yaml"))
 # hermes_cpu.yaml: a Hermes process per session, each prompt ~6k tokens of the tiny model.
 # camel_cpu.yaml: a CAMEL process per session (~3 s of imports each).
 # claude_code_cpu.yaml: 200 s (a Claude Code process per session); test_claude_code.py
-# runs its traffic checks in the default suite.
+# runs its traffic checks in the default suite. swe_cpu.yaml: 15 s;
+# tests/unit/agents/test_swe_task.py runs mini-swe-agent on the task over a scripted model.
 SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "hermes_cpu.yaml", "camel_cpu.yaml",
-                 "customer_service_cpu.yaml", "claude_code_cpu.yaml"}
+                 "customer_service_cpu.yaml", "claude_code_cpu.yaml", "swe_cpu.yaml"}
 # Runtimes that live in their own environment (they pin packages the project's extras
 # cannot share): found on PATH or under the repository's .venv-<name>.
 HERMES = os.environ.get("ASYNCRL_HERMES") or shutil.which("hermes") or \

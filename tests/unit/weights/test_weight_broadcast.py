@@ -262,7 +262,7 @@ sender.send(Actor(), bucket_bytes=int(bucket))
 """
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("how", ["kill", pytest.param("stop", marks=pytest.mark.slow)])
 def test_a_trainer_gone_mid_broadcast_leaves_the_old_weights_served_then_an_update_works(
         tiny, how):
     tensors = load_file(os.path.join(tiny, "model.safetensors"))
