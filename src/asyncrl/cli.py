@@ -181,12 +181,13 @@ def _eval(args: argparse.Namespace) -> int:
         from asyncrl.config import load_config
 
         cfg = load_config(args.config, [])
-        dataset = cfg.valid_dataset or cfg.train_dataset
-        defaults = {"data": dataset.path, "split": dataset.split, "size": dataset.size,
-                    "seed": dataset.seed, "task_kwargs": dataset.task_kwargs,
-                    "reward": cfg.workflow.reward_fn, "system_prompt": cfg.workflow.system_prompt,
+        defaults = {"reward": cfg.workflow.reward_fn, "system_prompt": cfg.workflow.system_prompt,
                     "few_shot": cfg.workflow.few_shot, "stop": cfg.gconfig.stop or None,
                     "max_tokens": cfg.evaluator.max_new_tokens or cfg.gconfig.max_new_tokens}
+        if args.data is None:  # the config's held-out set; `--data` replaces all of it
+            dataset = cfg.valid_dataset or cfg.train_dataset
+            defaults |= {"data": dataset.path, "split": dataset.split, "size": dataset.size,
+                         "seed": dataset.seed, "task_kwargs": dataset.task_kwargs}
 
     def pick(name: str, fallback):
         value = getattr(args, name)

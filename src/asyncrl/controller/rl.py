@@ -256,11 +256,10 @@ class RLTrainer:
             name = f"eval_step{step}"
         else:
             return
-        # The servers' batch less one training batch's samples: the rollout keeps its slots.
         batch_samples = self.cfg.rollout.consumer_batch_size * self.cfg.gconfig.n_samples
         self._running_evals.append(self._start_evaluate(
             step, name, version=step,
-            concurrency=max(1, self.cfg.local_engine.max_batch_size - batch_samples)))
+            concurrency=eval_concurrency(self.cfg.local_engine.max_batch_size, batch_samples)))
 
     def _evaluations_before_publish(self) -> concurrent.futures.Future | None:
         """Log the evaluations that the coming settle or publish would change the weights of
@@ -387,6 +386,14 @@ class RLTrainer:
         self.stats.close()
         self.versions.close()
         self.trainer.destroy()
+
+
+def eval_concurrency(server_batch: int, batch_samples: int) -> int:
+    """Items an evaluation beside training keeps in flight: the servers' batch less one
+    training batch's samples (the rollout keeps its slots), and never under half the batch.
+    The trainer waits for an evaluation after two steps and the rollout then stops, so an
+    evaluation squeezed to a few slots would leave the servers idle while everyone waits."""
+    return max(server_batch // 2, server_batch - batch_samples, 1)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from asyncrl.api import Trajectory
 from asyncrl.cli import main
 from asyncrl.config.schema import DatasetConfig
 from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, table, write_outputs
+from asyncrl.controller.rl import eval_concurrency
 from asyncrl.controller.rollout.evaluate import evaluate
 from asyncrl.rewards.gsm8k import extract_final_answer
 
@@ -106,6 +107,23 @@ def test_a_runs_config_gives_eval_its_stop_strings_and_flags_win(tmp_path, monke
     assert seen[0].gconfig().stop == ["```\n"]
     assert (seen[0].reward_fn, seen[0].dataset.path, seen[0].max_tokens) == \
         ("code", "python:asyncrl.data.code_tasks:held_out_tasks", 96)
+    assert seen[0].dataset.size == 64  # the config's valid_dataset.size
+
+
+def test_data_replaces_the_configs_dataset_and_keeps_its_prompt_and_reward(tmp_path,
+                                                                           monkeypatch):
+    from asyncrl.controller import evaluation
+
+    seen = []
+    monkeypatch.setattr(evaluation, "run", seen.append)
+    config = Path(__file__).resolve().parents[3] / "examples/code/code_grpo_cpu.yaml"
+    data = tmp_path / "problems.jsonl"
+    assert main(["eval", "--model", "m", "--config", str(config), "--out", str(tmp_path),
+                 "--data", str(data)]) == 0
+    dataset = seen[0].dataset
+    # every item of the file: the config's held-out size (64) belongs to its own dataset
+    assert (dataset.path, dataset.size, dataset.task_kwargs) == (str(data), None, {})
+    assert (seen[0].reward_fn, seen[0].stop, seen[0].max_tokens) == ("code", ["```\n"], 96)
 
 
 def test_outputs_hold_each_item_and_the_means(tmp_path, capsys):
@@ -163,3 +181,14 @@ def test_an_adapter_folder_is_evaluated_merged_into_its_base(tmp_path):
         with _served_model(spec(tmp_path / "out", model=base, base="x",
                                 base_urls=["http://127.0.0.1:9"])):
             pass
+
+
+@pytest.mark.parametrize("server_batch, batch_samples, expected", [
+    (64, 8, 56),   # a small training batch: the rest of the servers' batch
+    (32, 16, 16),  # gsm8k_grpo_cpu.yaml: 4 prompts x 4 samples on a batch of 32
+    (64, 64, 32),  # the training batch fills the servers' batch: still half of it
+    (64, 128, 32),
+    (1, 4, 1),
+])
+def test_eval_concurrency_keeps_half_the_servers_batch(server_batch, batch_samples, expected):
+    assert eval_concurrency(server_batch, batch_samples) == expected
