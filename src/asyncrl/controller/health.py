@@ -6,7 +6,8 @@ four ways to lose them:
 - flat groups: every prompt's samples got one reward (the batch has several): with
   group-relative advantages (GRPO's) every advantage is 0, and so is the gradient;
 - a constant batch: every sample of the batch got the same reward (all 0, say): the reward
-  function, the prompt template or the answer format is likely wrong;
+  function, the prompt template or the answer format is likely wrong; if earlier batches of
+  the run had other rewards, the rewards are rare instead, and the warning says so;
 - truncation: (nearly) every answer was cut at gconfig.max_new_tokens;
 - reward failures: the reward function raised (or timed out) for most episodes. Those
   episodes are not trained on (never scored 0); each is in <run>/failures.jsonl.
@@ -81,6 +82,7 @@ class HealthMonitor:
             self.checks["flat_groups"] = (steps, self._flat_groups)
         self._streaks: dict[str, tuple[int, int]] = {}  # condition: (first step, steps held)
         self._found: dict[str, Finding] = {}
+        self._seen: tuple[float, float] | None = None  # the run's lowest and highest reward
 
     @property
     def findings(self) -> list[Finding]:
@@ -105,18 +107,29 @@ class HealthMonitor:
                 found = self._found[condition] = Finding(condition, first, signals.step, message)
                 logger.warning("the run cannot learn, %s", str(found))  # the range now
                 new.append(found)
+        rewards = [r for group in signals.group_rewards for r in group]
+        if rewards:
+            low, high = min(rewards), max(rewards)
+            self._seen = (low, high) if self._seen is None else (
+                min(low, self._seen[0]), max(high, self._seen[1]))
         return new
 
-    @staticmethod
-    def _constant(s: StepSignals) -> str | None:
+    def _constant(self, s: StepSignals) -> str | None:
         rewards = {r for group in s.group_rewards for r in group}
         if len(rewards) != 1 or sum(map(len, s.group_rewards)) < 2:
             return None
+        reward = next(iter(rewards))
+        if self._seen is not None and self._seen != (reward, reward):
+            return (f"every sample got reward {reward:g}, while earlier batches of this run "
+                    f"had rewards from {self._seen[0]:g} to {self._seen[1]:g}: the rewards "
+                    "are too rare for a batch to hold a difference, and the gradient is 0. "
+                    "Raise gconfig.n_samples, turn on rollout.dynamic_sampling (it trains only "
+                    "on groups with a difference), or start from a stronger model (SFT first).")
         sample = s.sample
         shown = (f" One sample: prompt ...{sample['prompt'][-QUOTE_CHARS:]!r}, completion "
                  f"{sample['completion'][:QUOTE_CHARS]!r}, reward {sample['reward']:g}."
                  if sample else "")
-        return (f"every sample got reward {rewards.pop():g}, so no answer is preferred to "
+        return (f"every sample got reward {reward:g}, so no answer is preferred to "
                 "another: the reward function, the prompt template (workflow.system_prompt, "
                 "few_shot) or the answer format it expects is likely wrong." + shown)
 

@@ -51,6 +51,17 @@ def test_a_constant_batch_warns_with_a_sample_and_not_as_flat_groups(caplog):
     assert record.getMessage().startswith("the run cannot learn, steps 4-5: every sample")
 
 
+def test_a_constant_batch_after_rewarded_steps_says_the_rewards_are_rare():
+    # GSM8K after SFT: a few correct answers early, then three batches with none
+    monitor = HealthMonitor(3, max_new_tokens=32)
+    warned = _run(monitor, [_signals(1, [[0.0, 1.0], [0.0, 0.0]]),
+                            *(_signals(s, ZERO) for s in (2, 3, 4))])
+    assert warned == {1: [], 2: [], 3: [], 4: ["constant_reward"]}
+    [finding] = monitor.findings
+    assert "earlier batches of this run had rewards from 0 to 1" in finding.message
+    assert "too rare" in finding.message and "reward function" not in finding.message
+
+
 def test_flat_groups_are_not_checked_without_a_group_baseline():
     monitor = HealthMonitor(1, max_new_tokens=32, group_baseline=False)
     assert _run(monitor, [_signals(1, FLAT)]) == {1: []}
