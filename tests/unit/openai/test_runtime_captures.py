@@ -81,3 +81,36 @@ def test_camel_agents_recorded_requests_are_answered(name, req):
     assert tool_results in ([], ["1474772"])  # 718 * 2054, the tool's answer, reached the model
     for text in tool_results:
         assert f"<tool_response>\n{text}\n</tool_response>" in prompt
+
+
+OPENCLAW = FIXTURES / "openclaw" / "add.json"
+
+
+@pytest.mark.parametrize("name,req", _requests(OPENCLAW),
+                         ids=[n for n, _ in _requests(OPENCLAW)])
+def test_openclaws_recorded_requests_are_answered(name, req):
+    tok = make_tiny_tokenizer()
+    engine = ScriptedEngine(tok, "12 + 34 = 46. <answer>46</answer>")
+    with serve_app(openai_app(engine, tok, "policy", max_model_len=1_000_000)) as url:
+        r = httpx.request(req["method"], f"{url}{req['path']}", headers=req["headers"],
+                          content=json.dumps(req["body"]))
+    assert r.status_code == 200, r.text
+    body = req["body"]
+    # OpenClaw streams with usage and names its output budget max_completion_tokens.
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert (body["tool_choice"], body["max_completion_tokens"]) == ("auto", 256)
+    chunks = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "12 + 34 = 46. <answer>46</answer>"
+    assert chunks[-1]["usage"]["completion_tokens"] == len(tok.encode(text)) + 1  # + EOS
+    [prompt] = engine.prompts
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(tok.encode(prompt))
+    for tool in body["tools"]:  # every tool's schema, in the Hermes system block
+        assert f'"name": "{tool["function"]["name"]}"' in prompt
+    for m in body["messages"]:  # every turn reaches the prompt: text parts, tool results
+        parts = [m["content"]] if isinstance(m["content"], str) else \
+            [p["text"] for p in m["content"] or []]
+        assert all(p in prompt for p in parts)
+        if m["role"] == "tool":
+            assert f"<tool_response>\n{m['content']}\n</tool_response>" in prompt
