@@ -101,6 +101,82 @@ def piece_seed(seed: int | None, n_done: int) -> int | None:
 
 
 @dataclass(kw_only=True)
+class ImageInputs:
+    """The images of one prompt as the model's image processor made them: `pixel_values`
+    float32 [tiles, channels, height, width] (Idefics3 / SmolVLM: an image is several
+    tiles) and `pixel_attention_mask` bool [tiles, height, width] (True on real pixels;
+    None: all real). The prompt's image tokens stand for them, in order."""
+
+    pixel_values: torch.Tensor
+    pixel_attention_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        pv, mask = self.pixel_values, self.pixel_attention_mask
+        if pv.dtype != torch.float32 or pv.dim() != 4 or pv.shape[0] == 0:
+            raise ValueError("pixel_values must be float32 [tiles >= 1, channels, height, width], "
+                             f"got {pv.dtype} {list(pv.shape)}")
+        if mask is not None and (mask.dtype != torch.bool
+                                 or tuple(mask.shape) != (pv.shape[0], *pv.shape[2:])):
+            raise ValueError(f"pixel_attention_mask must be bool {[pv.shape[0], *pv.shape[2:]]} "
+                             f"(tiles, height, width), got {mask.dtype} {list(mask.shape)}")
+
+    @classmethod
+    def from_processor(cls, features: Any) -> ImageInputs:
+        """The images of an HF image processor's output for one prompt (pixel_values
+        [1, tiles, ...], and pixel_attention_mask [1, tiles, h, w] if it has one)."""
+        pv, mask = features["pixel_values"], features.get("pixel_attention_mask")
+        if pv.shape[0] != 1:
+            raise ValueError(f"from_processor takes one prompt's images, got {pv.shape[0]}")
+        return cls(pixel_values=pv[0].float(), pixel_attention_mask=None if mask is None
+                   else mask[0].bool())
+
+    @property
+    def n_tiles(self) -> int:
+        return self.pixel_values.shape[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON: each tensor's shape and little-endian bytes in base64."""
+        out = {"pixel_values": _encode(self.pixel_values, "<f4")}
+        if self.pixel_attention_mask is not None:
+            out["pixel_attention_mask"] = _encode(self.pixel_attention_mask, "u1")
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageInputs:
+        """The images `to_dict` encoded; ValueError names a field that does not decode."""
+        mask = d.get("pixel_attention_mask")
+        return cls(pixel_values=_decode(d["pixel_values"], "<f4", torch.float32),
+                   pixel_attention_mask=None if mask is None else _decode(mask, "u1", torch.bool))
+
+    @staticmethod
+    def cat(images: list[ImageInputs]) -> ImageInputs:
+        """The tiles of `images` one after the other (a mask where any has one)."""
+        masks = None
+        if any(i.pixel_attention_mask is not None for i in images):
+            masks = torch.cat([i.pixel_attention_mask if i.pixel_attention_mask is not None
+                               else torch.ones(i.n_tiles, *i.pixel_values.shape[2:],
+                                               dtype=torch.bool) for i in images])
+        return ImageInputs(pixel_values=torch.cat([i.pixel_values for i in images]),
+                           pixel_attention_mask=masks)
+
+
+def _encode(t: torch.Tensor, dtype: str) -> dict[str, Any]:
+    data = t.detach().cpu().contiguous().numpy().astype(dtype).tobytes()
+    return {"shape": list(t.shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+def _decode(d: Any, dtype: str, torch_dtype: torch.dtype) -> torch.Tensor:
+    import numpy as np
+
+    try:
+        data = np.frombuffer(base64.b64decode(d["data"], validate=True), dtype=dtype)
+        return torch.from_numpy(data.copy()).view(*d["shape"]).to(torch_dtype)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"an image tensor must be {{'shape': [...], 'data': base64 of {dtype} "
+                         f"values}} whose size fits its shape: {e}") from None
+
+
+@dataclass(kw_only=True)
 class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -108,14 +184,22 @@ class GenerationRequest:
     # Requests with one affinity key go to one server while it lives (the turns of an agent
     # session share their prefix there); None: the rid is the key. Not sent to servers.
     affinity: str | None = None
+    # The images the prompt's image tokens stand for (a vision-language model); None: text.
+    images: ImageInputs | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rid": self.rid, "input_ids": list(self.input_ids), "sampling": self.sampling.to_dict()}
+        out = {"rid": self.rid, "input_ids": list(self.input_ids),
+               "sampling": self.sampling.to_dict()}
+        if self.images is not None:
+            out["images"] = self.images.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerationRequest:
+        images = d.get("images")
         return cls(input_ids=list(d["input_ids"]), sampling=SamplingParams(**d.get("sampling", {})),
-                   rid=d.get("rid") or uuid.uuid4().hex)
+                   rid=d.get("rid") or uuid.uuid4().hex,
+                   images=None if images is None else ImageInputs.from_dict(images))
 
 
 def _check_routes(routes: torch.Tensor | None, n_tokens: int, what: str) -> None:
