@@ -75,6 +75,7 @@ from asyncrl.inference.gateway import backend_model, load_tokenizer, make_engine
 from asyncrl.openai.anthropic import AnthropicRoutes
 from asyncrl.openai.detokenize import detokenize
 from asyncrl.openai.drift import check_template_drift
+from asyncrl.openai.images import ImagePrompts
 from asyncrl.openai.protocol import OpenAIError
 from asyncrl.openai.responses import ResponsesRoutes
 from asyncrl.openai.routes import OpenAIRoutes, _checked_body, _json_or_none, root
@@ -130,6 +131,10 @@ class RecordingEngine:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+
+    @property
+    def serves_images(self) -> bool:
+        return getattr(self.engine, "serves_images", False)
 
     async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
         rec = _current.get()
@@ -209,7 +214,9 @@ class AgentProxy:
                  max_session_version_lag: int | None = None, max_model_len: int | None = None,
                  sampling: dict[str, Any] | None = None,
                  on_end: Callable[[Session], None] | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, images: ImagePrompts | None = None) -> None:
+        """`images`: the processor of a model that reads images (`load_image_prompts`);
+        None: image parts and blocks are refused."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.admin_key = admin_key
@@ -221,10 +228,12 @@ class AgentProxy:
         self.store = SessionStore(on_end=self._ended)
         self.admission = admission or SessionLimit(self.store, 256)
         self.routes = OpenAIRoutes(RecordingEngine(engine), tokenizer, model_name,
-                                   max_model_len=max_model_len, tool_parser=tool_parser)
+                                   max_model_len=max_model_len, tool_parser=tool_parser,
+                                   images=images)
         # The same engine unwrapped: what it generates is never recorded (`_untrained_chat`).
         self.untrained = OpenAIRoutes(engine, tokenizer, model_name,
-                                      max_model_len=max_model_len, tool_parser=tool_parser)
+                                      max_model_len=max_model_len, tool_parser=tool_parser,
+                                      images=images)
         self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0,
                        "untrained_completions": 0, "lost_answers": 0}
         self._raw: dict[str, dict[str, str]] = {}  # session id -> assistant key -> raw text
@@ -316,7 +325,8 @@ class AgentProxy:
             web.post("/untrained/v1/chat/completions", self._untrained_chat),
         ])
         responses = ResponsesRoutes(self._chat_fn, self.model_name)
-        messages = AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn)
+        messages = AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn,
+                                   reads_images=self.routes.images is not None)
         app.router.add_post("/v1/responses", self._wrap("responses", responses.create))
         app.router.add_post("/v1/messages", self._wrap("messages", messages.create))
         app.router.add_post("/v1/messages/count_tokens", self._keyed(messages.count_tokens))

@@ -44,6 +44,7 @@ from asyncrl.inference.server.cpu_decode import huge_empty
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.inference.server.local_backend import LocalBackend
 from asyncrl.inference.server.model import CheckpointError, check_tensors, hf_shapes
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.openai.routes import OpenAIRoutes, unauthorized
 from asyncrl.weights import ipc, transport
 
@@ -176,8 +177,9 @@ class InferenceServer:
         self._receiving = asyncio.Lock()
         self._buffers: list[torch.Tensor] = []  # receive buffers, kept for the next update
         self.ipc = ipc.IpcImporter()  # the trainer's shared buffer, mapped (CUDA IPC)
+        images = load_image_prompts(engine.model_path) if engine.vision is not None else None
         OpenAIRoutes(LocalBackend(engine), engine.tokenizer, model_name,
-                     max_model_len=engine.config.max_seq_len).add_to(self.app)
+                     max_model_len=engine.config.max_seq_len, images=images).add_to(self.app)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
