@@ -303,6 +303,9 @@ class Trajectory:
     # MoE: the experts the rollout chose per token (GenerationResponse.routed_experts'
     # layout, one row per token of input_ids, -1 where not recorded); None: not recorded.
     routed_experts: torch.Tensor | None = None
+    # A vision-language prompt's images, as the engine took them (its prompt's image tokens
+    # stand for their features); None: text only.
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -317,8 +320,9 @@ class Trajectory:
 
     @classmethod
     def from_response(cls, resp: GenerationResponse, *, reward: float, group_id: str,
-                      meta: dict[str, Any] | None = None) -> Trajectory:
-        """Prompt + completion of one single-turn generation."""
+                      meta: dict[str, Any] | None = None,
+                      images: ImageInputs | None = None) -> Trajectory:
+        """Prompt + completion of one single-turn generation (`images`: its request's)."""
         n_prompt = len(resp.input_ids)
         return cls(
             input_ids=resp.input_ids + resp.output_ids,
@@ -330,6 +334,7 @@ class Trajectory:
             stop_reason=resp.stop_reason,
             meta=dict(meta or {}),
             routed_experts=resp.routed_experts,
+            images=images,
         )
 
     @property
@@ -348,6 +353,9 @@ class Trajectory:
     def start_version(self) -> int:
         """The weight version current when the episode was submitted (set by the executor)."""
         return int(self.meta["start_version"])
+
+
+_IMAGE_FIELDS = ("pixel_values", "pixel_attention_mask", "image_rows")
 
 
 @dataclass
@@ -375,6 +383,12 @@ class TensorBatch:
     # [B, T, MoE layers, top_k] int16: the experts the rollout chose per token, -1 where
     # not recorded (the trainer routes those itself); None: no row recorded any.
     routed_experts: torch.Tensor | None = None
+    # The rows' image tiles, row by row: pixel_values [tiles, C, H, W] float32,
+    # pixel_attention_mask [tiles, H, W] bool, and image_rows [tiles] long, the row of each
+    # tile (rows in increasing order). None: no row has images.
+    pixel_values: torch.Tensor | None = None
+    pixel_attention_mask: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -391,7 +405,17 @@ class TensorBatch:
             if t is None:
                 return None
             return t[idx][:, :width] if t.dim() >= 2 else t[idx]
-        return TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__})
+        out = TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__
+                             if name not in _IMAGE_FIELDS})
+        if self.image_rows is not None:
+            tiles = [(self.image_rows == int(r)).nonzero()[:, 0] for r in idx]
+            order = torch.cat(tiles)
+            if len(order):
+                out.pixel_values = self.pixel_values[order]
+                out.pixel_attention_mask = self.pixel_attention_mask[order]
+                out.image_rows = torch.cat([torch.full((len(t),), k, dtype=torch.long)
+                                            for k, t in enumerate(tiles)])
+        return out
 
 
 @dataclass
@@ -439,7 +463,25 @@ class Batch:
             rewards=self.rewards,
             group_index=group_numbers(self.group_ids),
             routed_experts=self._routes(width),
+            **self._images(),
         )
+
+    def _images(self) -> dict[str, torch.Tensor]:
+        """The rows' image tiles as TensorBatch's image fields (none if no row has images)."""
+        rows = [(i, t.images) for i, t in enumerate(self.trajectories) if t.images is not None]
+        if not rows:
+            return {}
+        shapes = {tuple(im.pixel_values.shape[1:]) for _, im in rows}
+        if len(shapes) > 1:
+            raise ValueError(f"trajectories carry image tiles of different shapes {sorted(shapes)}"
+                             " (channels, height, width): they come from different processors")
+        images = ImageInputs.cat([im for _, im in rows])
+        return {"pixel_values": images.pixel_values,
+                "pixel_attention_mask": images.pixel_attention_mask if
+                images.pixel_attention_mask is not None else torch.ones(
+                    images.n_tiles, *images.pixel_values.shape[2:], dtype=torch.bool),
+                "image_rows": torch.cat([torch.full((im.n_tiles,), i, dtype=torch.long)
+                                         for i, im in rows])}
 
     def _routes(self, width: int) -> torch.Tensor | None:
         """The rows' routed experts, right-padded with -1 (rows without any: all -1)."""
