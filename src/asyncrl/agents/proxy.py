@@ -70,7 +70,7 @@ from asyncrl.agents.session import (
 )
 from asyncrl.api import openapi
 from asyncrl.api.http import SHUTDOWN_GRACE_S
-from asyncrl.api.types import GenerationRequest, GenerationResponse
+from asyncrl.api.types import GenerationRequest, GenerationResponse, ImageInputs
 from asyncrl.inference.gateway import backend_model, load_tokenizer, make_engine
 from asyncrl.openai.anthropic import AnthropicRoutes
 from asyncrl.openai.detokenize import detokenize
@@ -118,6 +118,7 @@ class _Record:
     replay: bool
     body: Any = None
     responses: list[tuple[int, GenerationResponse]] = field(default_factory=list)
+    images: ImageInputs | None = None  # the images of the request's prompt
     index: int = 0
     lost: bool = False  # the client went away before the answer reached it
 
@@ -141,6 +142,7 @@ class RecordingEngine:
         if rec is None:
             return await self.engine.agenerate(req)
         index, rec.index = rec.index, rec.index + 1
+        rec.images = req.images  # one request's choices share its prompt and images
         futures = rec.session.retry_cache.setdefault(rec.key, [])
         if rec.replay and index < len(futures):
             resp = await asyncio.shield(futures[index])
@@ -681,7 +683,7 @@ class AgentProxy:
                            prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids),
                            logprobs=list(resp.output_logprobs),
                            versions=list(resp.output_versions), stop_reason=resp.stop_reason,
-                           route=route, request=record, text=text)
+                           route=route, request=record, text=text, images=rec.images)
             session.completions.append(c)
             content, calls = self.routes.tool_format.parse(text) if tools else (text, [])
             self._raw.setdefault(session.id, {})[_assistant_key(content, calls)] = text

@@ -4,6 +4,7 @@ pixels, and the ids the engine served are the ones the model's processor gives."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -14,6 +15,8 @@ from PIL import Image
 from serving import serving
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from asyncrl.agents.capture import export
+from asyncrl.agents.proxy import AgentProxy
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.inference.server.local_backend import LocalBackend
@@ -140,3 +143,46 @@ def test_bad_images_are_a_400_naming_the_field_and_what_to_send(server, path, co
     if path == "/v1/chat/completions":
         assert err["param"] == param
     assert param in err["message"] and says in err["message"]
+
+
+def test_the_agent_proxy_records_the_served_ids_and_images_of_each_turn(vlm, server):
+    _, backend = server
+    admin = "admin-key"
+    proxy = AgentProxy(backend, backend.engine.tokenizer, MODEL, admin_key=admin,
+                       images=load_image_prompts(vlm))
+
+    async def main():
+        await proxy.start("127.0.0.1", 0)
+        root = proxy.base_url[: -len("/v1")]
+        async with httpx.AsyncClient(timeout=60) as client:
+            s = (await client.post(f"{root}/rl/start_session", json={"task_id": "t"},
+                                   headers={"Authorization": f"Bearer {admin}"})).json()
+            key = {"Authorization": f"Bearer {s['api_key']}"}
+            messages = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png()[1]}"}},
+                {"type": "text", "text": "first"}]}]
+            for size in ((64, 16), None):
+                r = await client.post(f"{root}/v1/chat/completions", headers=key, json={
+                    "model": MODEL, "max_tokens": 3, "messages": messages})
+                assert r.status_code == 200, r.text
+                messages.append(r.json()["choices"][0]["message"])
+                if size is not None:  # the second turn adds a second image
+                    messages.append({"role": "user", "content": [{"type": "image_url",
+                                     "image_url": {"url": "data:image/png;base64,"
+                                                   + png(size=size)[1]}}]})
+            await client.post(f"{root}/rl/end_session", headers=key, json={})
+        session = proxy.store.get(s["session_id"])
+        await proxy.stop()
+        return session
+
+    session = asyncio.run(main())
+    served = backend.served[-2:]
+    assert [c.prompt_ids for c in session.completions] == [req.input_ids for req, _ in served]
+    assert [c.output_ids for c in session.completions] == [resp.output_ids for _, resp in served]
+    trajectories = export(session.completions, style="individual", discount=1.0,
+                          group_id="g").trajectories
+    for trajectory, (req, resp) in zip(trajectories, served, strict=True):
+        assert trajectory.input_ids == req.input_ids + resp.output_ids
+        assert torch.equal(trajectory.images.pixel_values, req.images.pixel_values)
+    # the second turn's prompt holds the first image's 5 tiles, then the second's 3
+    assert [t.images.n_tiles for t in trajectories] == [5, 5 + 3]
