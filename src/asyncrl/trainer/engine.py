@@ -329,6 +329,7 @@ class FSDPTrainEngine:
         self._compute_weights: ComputeWeights | None = None  # one rank, bf16 compute
         self._owns_process_group = False
         self.lora_config: Any = None  # PEFT's LoraConfig with spec.use_lora (trainer/lora.py)
+        self.processor: Any = None  # a vision-language model's, saved with its weights
         self._base_path = ""  # the model the weights (the base, with LoRA) come from
         self._moe: MoeTraining | None = None  # MoE models: aux loss, routing replay
 
@@ -336,7 +337,7 @@ class FSDPTrainEngine:
 
     def initialize(self) -> None:
         """Join the process group, load and shard the model, build optimiser and schedule."""
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
         self.device = local_device(self.spec.device)
         self._owns_process_group = init_process_group(self.spec.device)
@@ -366,6 +367,9 @@ class FSDPTrainEngine:
             use_fused_mlps(hf_model)  # trainer/cpu/mlp.py
             use_fused_rope(hf_model)  # trainer/cpu/rope.py (bit for bit HF's, module-wide)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # a vision-language model's processor, saved with its weights
+        if hasattr(hf_model.config, "vision_config"):
+            self.processor = AutoProcessor.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:
             # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
@@ -648,7 +652,7 @@ class FSDPTrainEngine:
         if self.rank == 0:
             hf = model.hf
             checkpoint.write_hf_folder(path, weights, hf.config, self.tokenizer,
-                                       getattr(hf, "generation_config", None))
+                                       getattr(hf, "generation_config", None), self.processor)
         dist.barrier()
 
     def _save_adapters(self, path: str, dtype: torch.dtype | None) -> None:

@@ -11,8 +11,10 @@ from asyncrl.algorithms.ppo import make_ppo_loss_fn
 from asyncrl.api.types import Batch, ImageInputs, Trajectory
 from asyncrl.config.algorithm import ActorConfig, NormConfig
 from asyncrl.config.engine import TrainEngineSpec
-from asyncrl.config.schema import OptimizerConfig
+from asyncrl.config.schema import LocalEngineConfig, OptimizerConfig
+from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny_vlm import make_tiny_vlm
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.trainer import FSDPTrainEngine
 from asyncrl.trainer.service import decode_batch, encode_batch
 
@@ -131,3 +133,30 @@ def test_logprobs_and_a_grpo_steps_loss_and_gradients_match_hf_by_hand(vlm, monk
         torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4)
     unchanged = [n for n, p in engine.model.named_parameters() if torch.equal(p, before[n])]
     assert unchanged == []  # the vision encoder and connector trained too
+
+
+def test_trained_weights_published_to_our_engine_give_the_trainers_logprobs(vlm, tmp_path):
+    batch = Batch(trajectories(vlm)).to_tensors()
+    trainer = FSDPTrainEngine(TrainEngineSpec(path=vlm, dtype="float32",
+                                              optimizer=OptimizerConfig(lr=1e-2)), total_steps=2)
+    trainer.initialize()
+    trainer.train_batch(batch, lambda lp, mb, n_tokens, n_seqs: (
+        -(lp * mb.loss_mask).sum() / n_tokens, {}))
+    trained = trainer.compute_logprobs(batch)
+    trainer.save_hf(str(tmp_path / "v1"))
+    assert load_image_prompts(str(tmp_path / "v1")) is not None  # the processor came along
+
+    engine = LocalEngine(vlm, LocalEngineConfig(dtype="float32", max_batch_size=2,
+                                                max_seq_len=256))
+    engine.update_weights(str(tmp_path / "v1"), version=1)
+    n = int(batch.attention_mask[0].sum())
+    ids = batch.input_ids[:1, :n]
+    images = ImageInputs(pixel_values=batch.pixel_values[:5],
+                         pixel_attention_mask=batch.pixel_attention_mask[:5])
+    mask = ids == engine.vision.image_token_id
+    logits = engine.model.prefill(ids, torch.tensor([n]), engine.cache, 0, all_logits=True,
+                                  embeds=(mask, engine.vision.embed(images)))[0]
+    served = logits[:-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(served, trained[0, 1:n], atol=1e-4, rtol=0)
+    before = hf_logprobs(AutoModelForImageTextToText.from_pretrained(vlm).eval(), batch)
+    assert (trained - before).abs().max() > 1e-2  # the step changed them
