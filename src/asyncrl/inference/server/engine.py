@@ -17,8 +17,9 @@ that fails half-way leaves the served weights and version as they were.
 
 A vision-language model (inference/server/vision.py) takes requests with images: at
 prefill, its vision encoder turns them into the embeddings of the prompt's image tokens.
-Such a prompt shares no cached prefix with another (equal tokens, other pixels), and text
-requests pay nothing for the images of others.
+Such a prompt shares no cached prefix with another (equal tokens, other pixels), and a step
+that admits one prefills its new prompts apart from the decode rows (the C forward takes
+token ids only). Text-only steps run as for a text model.
 
 A Mixture-of-Experts model's responses carry the experts each MoE layer chose for each
 token the engine ran (prefill and decode), for routing replay in the trainer.
