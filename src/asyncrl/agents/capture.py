@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from asyncrl.api.types import StopReason, Trajectory
+import torch
+
+from asyncrl.api.types import ImageInputs, StopReason, Trajectory
 
 ExportStyle = Literal["tree", "individual"]
 
@@ -53,6 +55,7 @@ class Completion:
     text: str = ""  # the decoded output
     reward: float | None = None
     created: float = field(default_factory=time.time)
+    images: ImageInputs | None = None  # the images its prompt's image tokens stand for
 
     @property
     def ids(self) -> list[int]:
@@ -63,12 +66,15 @@ class Completion:
                 "output_ids": self.output_ids, "logprobs": self.logprobs,
                 "versions": self.versions, "stop_reason": self.stop_reason.value,
                 "text": self.text, "reward": self.reward, "created": self.created,
-                "request": self.request}
+                "request": self.request,
+                **({"images": self.images.to_dict()} if self.images is not None else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Completion:
         """The inverse of `to_dict` (a completion sent between processes)."""
-        return cls(**{**d, "stop_reason": StopReason(d["stop_reason"])})
+        images = d.get("images")
+        return cls(**{**d, "stop_reason": StopReason(d["stop_reason"]),
+                      "images": None if images is None else ImageInputs.from_dict(images)})
 
 
 @dataclass
@@ -93,18 +99,30 @@ def _starts_with(seq: list[int], prefix: list[int]) -> bool:
     return len(seq) >= len(prefix) and seq[: len(prefix)] == prefix
 
 
+def _continues(c: Completion, prefix: list[int], earlier: Completion) -> bool:
+    """Whether `c`'s prompt starts with `prefix` (ids of `earlier`) and its images with
+    `earlier`'s: equal image tokens of other pixels are another conversation."""
+    if not _starts_with(c.prompt_ids, prefix):
+        return False
+    if earlier.images is None:
+        return True
+    n = earlier.images.n_tiles
+    return c.images is not None and c.images.n_tiles >= n and torch.equal(
+        c.images.pixel_values[:n], earlier.images.pixel_values)
+
+
 def parents(completions: list[Completion]) -> tuple[list[int | None], list[int | None]]:
     """Each completion's parent index (None: a root), and for a drifted turn the earliest
     completion whose conversation it continues (None: not drifted)."""
     parent: list[int | None] = []
     continues: list[int | None] = []
     for i, c in enumerate(completions):
-        extends = [j for j in range(i) if _starts_with(c.prompt_ids, completions[j].ids)]
+        extends = [j for j in range(i) if _continues(c, completions[j].ids, completions[j])]
         parent.append(max(extends, key=lambda j: (len(completions[j].ids), j))
                       if extends else None)
         # A continuation of an earlier turn's prompt that does not contain what was sampled.
         earlier = [j for j in range(i) if len(c.prompt_ids) > len(completions[j].prompt_ids)
-                   and _starts_with(c.prompt_ids, completions[j].prompt_ids)]
+                   and _continues(c, completions[j].prompt_ids, completions[j])]
         continues.append(earlier[0] if earlier and not extends else None)
     return parent, continues
 
@@ -157,7 +175,7 @@ def _single(c: Completion, reward: float, group_id: str, meta: dict[str, Any], *
     return Trajectory(
         input_ids=c.ids, loss_mask=[0] * n + [1] * len(c.output_ids),
         behavior_logprobs=[0.0] * n + list(c.logprobs), versions=[-1] * n + list(c.versions),
-        reward=reward, group_id=group_id, stop_reason=c.stop_reason,
+        reward=reward, group_id=group_id, stop_reason=c.stop_reason, images=c.images,
         meta={**meta, "completion_ids": [c.id], "turns": [turn], "n_turns": 1,
               "turn_spans": [[n, n + len(c.output_ids)]], "drift": drift})
 
@@ -179,6 +197,6 @@ def _merged(path: list[Completion], reward: float, group_id: str, meta: dict[str
         spans.append([start, end])
     return Trajectory(input_ids=ids, loss_mask=mask, behavior_logprobs=logprobs,
                       versions=versions, reward=reward, group_id=group_id,
-                      stop_reason=leaf.stop_reason,
+                      stop_reason=leaf.stop_reason, images=leaf.images,  # every turn's
                       meta={**meta, "completion_ids": [c.id for c in path], "turns": turns,
                             "n_turns": len(path), "turn_spans": spans, "drift": False})

@@ -70,11 +70,12 @@ from asyncrl.agents.session import (
 )
 from asyncrl.api import openapi
 from asyncrl.api.http import SHUTDOWN_GRACE_S
-from asyncrl.api.types import GenerationRequest, GenerationResponse
+from asyncrl.api.types import GenerationRequest, GenerationResponse, ImageInputs
 from asyncrl.inference.gateway import backend_model, load_tokenizer, make_engine
 from asyncrl.openai.anthropic import AnthropicRoutes
 from asyncrl.openai.detokenize import detokenize
 from asyncrl.openai.drift import check_template_drift
+from asyncrl.openai.images import ImagePrompts
 from asyncrl.openai.protocol import OpenAIError
 from asyncrl.openai.responses import ResponsesRoutes
 from asyncrl.openai.routes import OpenAIRoutes, _checked_body, _json_or_none, root
@@ -117,6 +118,7 @@ class _Record:
     replay: bool
     body: Any = None
     responses: list[tuple[int, GenerationResponse]] = field(default_factory=list)
+    images: ImageInputs | None = None  # the images of the request's prompt
     index: int = 0
     lost: bool = False  # the client went away before the answer reached it
 
@@ -131,11 +133,16 @@ class RecordingEngine:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
+    @property
+    def serves_images(self) -> bool:
+        return getattr(self.engine, "serves_images", False)
+
     async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
         rec = _current.get()
         if rec is None:
             return await self.engine.agenerate(req)
         index, rec.index = rec.index, rec.index + 1
+        rec.images = req.images  # one request's choices share its prompt and images
         futures = rec.session.retry_cache.setdefault(rec.key, [])
         if rec.replay and index < len(futures):
             resp = await asyncio.shield(futures[index])
@@ -209,7 +216,9 @@ class AgentProxy:
                  max_session_version_lag: int | None = None, max_model_len: int | None = None,
                  sampling: dict[str, Any] | None = None,
                  on_end: Callable[[Session], None] | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, images: ImagePrompts | None = None) -> None:
+        """`images`: the processor of a model that reads images (`load_image_prompts`);
+        None: image parts and blocks are refused."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.admin_key = admin_key
@@ -221,10 +230,12 @@ class AgentProxy:
         self.store = SessionStore(on_end=self._ended)
         self.admission = admission or SessionLimit(self.store, 256)
         self.routes = OpenAIRoutes(RecordingEngine(engine), tokenizer, model_name,
-                                   max_model_len=max_model_len, tool_parser=tool_parser)
+                                   max_model_len=max_model_len, tool_parser=tool_parser,
+                                   images=images)
         # The same engine unwrapped: what it generates is never recorded (`_untrained_chat`).
         self.untrained = OpenAIRoutes(engine, tokenizer, model_name,
-                                      max_model_len=max_model_len, tool_parser=tool_parser)
+                                      max_model_len=max_model_len, tool_parser=tool_parser,
+                                      images=images)
         self.counts = {"late_completions": 0, "retries_replayed": 0, "rejected_429": 0,
                        "untrained_completions": 0, "lost_answers": 0}
         self._raw: dict[str, dict[str, str]] = {}  # session id -> assistant key -> raw text
@@ -316,7 +327,8 @@ class AgentProxy:
             web.post("/untrained/v1/chat/completions", self._untrained_chat),
         ])
         responses = ResponsesRoutes(self._chat_fn, self.model_name)
-        messages = AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn)
+        messages = AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn,
+                                   reads_images=self.routes.images is not None)
         app.router.add_post("/v1/responses", self._wrap("responses", responses.create))
         app.router.add_post("/v1/messages", self._wrap("messages", messages.create))
         app.router.add_post("/v1/messages/count_tokens", self._keyed(messages.count_tokens))
@@ -671,7 +683,7 @@ class AgentProxy:
                            prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids),
                            logprobs=list(resp.output_logprobs),
                            versions=list(resp.output_versions), stop_reason=resp.stop_reason,
-                           route=route, request=record, text=text)
+                           route=route, request=record, text=text, images=rec.images)
             session.completions.append(c)
             content, calls = self.routes.tool_format.parse(text) if tools else (text, [])
             self._raw.setdefault(session.id, {})[_assistant_key(content, calls)] = text

@@ -56,7 +56,9 @@ from asyncrl.config.schema import AgentConfig
 from asyncrl.config.specfile import read_spec
 from asyncrl.inference.gateway import load_tokenizer
 from asyncrl.inference.router import add_inference_args, inference_engine
+from asyncrl.models.hub import resolve_model_path
 from asyncrl.openai.drift import check_template_drift
+from asyncrl.openai.images import load_image_prompts
 
 logger = logging.getLogger(__name__)
 GRANT_TIMEOUT = 30.0  # seconds an online grant waits for a client before it lapses
@@ -98,7 +100,8 @@ def build_proxy(spec: AgentServiceSpec, tokenizer: Any, engine: Any, *,
         max_session_version_lag=spec.max_session_version_lag,
         max_model_len=spec.max_model_len,
         sampling=forced_sampling(spec.gconfig, tokenizer.eos_token_id), on_end=writer,
-        tool_parser=a.tool_parser)
+        tool_parser=a.tool_parser,
+        images=load_image_prompts(resolve_model_path(spec.tokenizer_path)))
 
 
 # -- the service --------------------------------------------------------------------------

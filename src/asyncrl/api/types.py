@@ -101,6 +101,82 @@ def piece_seed(seed: int | None, n_done: int) -> int | None:
 
 
 @dataclass(kw_only=True)
+class ImageInputs:
+    """The images of one prompt as the model's image processor made them: `pixel_values`
+    float32 [tiles, channels, height, width] (Idefics3 / SmolVLM: an image is several
+    tiles) and `pixel_attention_mask` bool [tiles, height, width] (True on real pixels;
+    None: all real). The prompt's image tokens stand for them, in order."""
+
+    pixel_values: torch.Tensor
+    pixel_attention_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        pv, mask = self.pixel_values, self.pixel_attention_mask
+        if pv.dtype != torch.float32 or pv.dim() != 4 or pv.shape[0] == 0:
+            raise ValueError("pixel_values must be float32 [tiles >= 1, channels, height, width], "
+                             f"got {pv.dtype} {list(pv.shape)}")
+        if mask is not None and (mask.dtype != torch.bool
+                                 or tuple(mask.shape) != (pv.shape[0], *pv.shape[2:])):
+            raise ValueError(f"pixel_attention_mask must be bool {[pv.shape[0], *pv.shape[2:]]} "
+                             f"(tiles, height, width), got {mask.dtype} {list(mask.shape)}")
+
+    @classmethod
+    def from_processor(cls, features: Any) -> ImageInputs:
+        """The images of an HF image processor's output for one prompt (pixel_values
+        [1, tiles, ...], and pixel_attention_mask [1, tiles, h, w] if it has one)."""
+        pv, mask = features["pixel_values"], features.get("pixel_attention_mask")
+        if pv.shape[0] != 1:
+            raise ValueError(f"from_processor takes one prompt's images, got {pv.shape[0]}")
+        return cls(pixel_values=pv[0].float(), pixel_attention_mask=None if mask is None
+                   else mask[0].bool())
+
+    @property
+    def n_tiles(self) -> int:
+        return self.pixel_values.shape[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON: each tensor's shape and little-endian bytes in base64."""
+        out = {"pixel_values": _encode(self.pixel_values, "<f4")}
+        if self.pixel_attention_mask is not None:
+            out["pixel_attention_mask"] = _encode(self.pixel_attention_mask, "u1")
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageInputs:
+        """The images `to_dict` encoded; ValueError names a field that does not decode."""
+        mask = d.get("pixel_attention_mask")
+        return cls(pixel_values=_decode(d["pixel_values"], "<f4", torch.float32),
+                   pixel_attention_mask=None if mask is None else _decode(mask, "u1", torch.bool))
+
+    @staticmethod
+    def cat(images: list[ImageInputs]) -> ImageInputs:
+        """The tiles of `images` one after the other (a mask where any has one)."""
+        masks = None
+        if any(i.pixel_attention_mask is not None for i in images):
+            masks = torch.cat([i.pixel_attention_mask if i.pixel_attention_mask is not None
+                               else torch.ones(i.n_tiles, *i.pixel_values.shape[2:],
+                                               dtype=torch.bool) for i in images])
+        return ImageInputs(pixel_values=torch.cat([i.pixel_values for i in images]),
+                           pixel_attention_mask=masks)
+
+
+def _encode(t: torch.Tensor, dtype: str) -> dict[str, Any]:
+    data = t.detach().cpu().contiguous().numpy().astype(dtype).tobytes()
+    return {"shape": list(t.shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+def _decode(d: Any, dtype: str, torch_dtype: torch.dtype) -> torch.Tensor:
+    import numpy as np
+
+    try:
+        data = np.frombuffer(base64.b64decode(d["data"], validate=True), dtype=dtype)
+        return torch.from_numpy(data.copy()).view(*d["shape"]).to(torch_dtype)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"an image tensor must be {{'shape': [...], 'data': base64 of {dtype} "
+                         f"values}} whose size fits its shape: {e}") from None
+
+
+@dataclass(kw_only=True)
 class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -108,14 +184,22 @@ class GenerationRequest:
     # Requests with one affinity key go to one server while it lives (the turns of an agent
     # session share their prefix there); None: the rid is the key. Not sent to servers.
     affinity: str | None = None
+    # The images the prompt's image tokens stand for (a vision-language model); None: text.
+    images: ImageInputs | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rid": self.rid, "input_ids": list(self.input_ids), "sampling": self.sampling.to_dict()}
+        out = {"rid": self.rid, "input_ids": list(self.input_ids),
+               "sampling": self.sampling.to_dict()}
+        if self.images is not None:
+            out["images"] = self.images.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerationRequest:
+        images = d.get("images")
         return cls(input_ids=list(d["input_ids"]), sampling=SamplingParams(**d.get("sampling", {})),
-                   rid=d.get("rid") or uuid.uuid4().hex)
+                   rid=d.get("rid") or uuid.uuid4().hex,
+                   images=None if images is None else ImageInputs.from_dict(images))
 
 
 def _check_routes(routes: torch.Tensor | None, n_tokens: int, what: str) -> None:
@@ -219,6 +303,9 @@ class Trajectory:
     # MoE: the experts the rollout chose per token (GenerationResponse.routed_experts'
     # layout, one row per token of input_ids, -1 where not recorded); None: not recorded.
     routed_experts: torch.Tensor | None = None
+    # A vision-language prompt's images, as the engine took them (its prompt's image tokens
+    # stand for their features); None: text only.
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -233,8 +320,9 @@ class Trajectory:
 
     @classmethod
     def from_response(cls, resp: GenerationResponse, *, reward: float, group_id: str,
-                      meta: dict[str, Any] | None = None) -> Trajectory:
-        """Prompt + completion of one single-turn generation."""
+                      meta: dict[str, Any] | None = None,
+                      images: ImageInputs | None = None) -> Trajectory:
+        """Prompt + completion of one single-turn generation (`images`: its request's)."""
         n_prompt = len(resp.input_ids)
         return cls(
             input_ids=resp.input_ids + resp.output_ids,
@@ -246,6 +334,7 @@ class Trajectory:
             stop_reason=resp.stop_reason,
             meta=dict(meta or {}),
             routed_experts=resp.routed_experts,
+            images=images,
         )
 
     @property
@@ -264,6 +353,9 @@ class Trajectory:
     def start_version(self) -> int:
         """The weight version current when the episode was submitted (set by the executor)."""
         return int(self.meta["start_version"])
+
+
+_IMAGE_FIELDS = ("pixel_values", "pixel_attention_mask", "image_rows")
 
 
 @dataclass
@@ -291,6 +383,12 @@ class TensorBatch:
     # [B, T, MoE layers, top_k] int16: the experts the rollout chose per token, -1 where
     # not recorded (the trainer routes those itself); None: no row recorded any.
     routed_experts: torch.Tensor | None = None
+    # The rows' image tiles, row by row: pixel_values [tiles, C, H, W] float32,
+    # pixel_attention_mask [tiles, H, W] bool, and image_rows [tiles] long, the row of each
+    # tile (rows in increasing order). None: no row has images.
+    pixel_values: torch.Tensor | None = None
+    pixel_attention_mask: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -307,7 +405,17 @@ class TensorBatch:
             if t is None:
                 return None
             return t[idx][:, :width] if t.dim() >= 2 else t[idx]
-        return TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__})
+        out = TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__
+                             if name not in _IMAGE_FIELDS})
+        if self.image_rows is not None:
+            tiles = [(self.image_rows == int(r)).nonzero()[:, 0] for r in idx]
+            order = torch.cat(tiles)
+            if len(order):
+                out.pixel_values = self.pixel_values[order]
+                out.pixel_attention_mask = self.pixel_attention_mask[order]
+                out.image_rows = torch.cat([torch.full((len(t),), k, dtype=torch.long)
+                                            for k, t in enumerate(tiles)])
+        return out
 
 
 @dataclass
@@ -355,7 +463,25 @@ class Batch:
             rewards=self.rewards,
             group_index=group_numbers(self.group_ids),
             routed_experts=self._routes(width),
+            **self._images(),
         )
+
+    def _images(self) -> dict[str, torch.Tensor]:
+        """The rows' image tiles as TensorBatch's image fields (none if no row has images)."""
+        rows = [(i, t.images) for i, t in enumerate(self.trajectories) if t.images is not None]
+        if not rows:
+            return {}
+        shapes = {tuple(im.pixel_values.shape[1:]) for _, im in rows}
+        if len(shapes) > 1:
+            raise ValueError(f"trajectories carry image tiles of different shapes {sorted(shapes)}"
+                             " (channels, height, width): they come from different processors")
+        images = ImageInputs.cat([im for _, im in rows])
+        return {"pixel_values": images.pixel_values,
+                "pixel_attention_mask": images.pixel_attention_mask if
+                images.pixel_attention_mask is not None else torch.ones(
+                    images.n_tiles, *images.pixel_values.shape[2:], dtype=torch.bool),
+                "image_rows": torch.cat([torch.full((im.n_tiles,), i, dtype=torch.long)
+                                         for i, im in rows])}
 
     def _routes(self, width: int) -> torch.Tensor | None:
         """The rows' routed experts, right-padded with -1 (rows without any: all -1)."""

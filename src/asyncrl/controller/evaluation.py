@@ -30,6 +30,7 @@ from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data import load_dataset
 from asyncrl.launch.commands import BACKENDS
 from asyncrl.observe import ProgressBar
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.rewards.registry import BUILTIN_ANSWER_FNS, resolve_answer_fn, resolve_reward_fn
 from asyncrl.rewards.runner import RewardRunner
 
@@ -119,7 +120,8 @@ def run(spec: EvalSpec) -> dict[str, Any]:
         try:
             workflow = RLVRWorkflow(tokenizer, spec.gconfig(), reward,
                                     system_prompt=spec.system_prompt, few_shot=spec.few_shot,
-                                    chat_template=spec.chat_template)
+                                    chat_template=spec.chat_template,
+                                    images=load_image_prompts(model_path))
             result = asyncio.run(_evaluate(spec, urls, workflow, items))
         finally:
             reward.close()

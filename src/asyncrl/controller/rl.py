@@ -53,6 +53,7 @@ from asyncrl.observe import (
 from asyncrl.observe.paths import RunPaths, setup_logging
 from asyncrl.observe.periodic import Periodic
 from asyncrl.observe.timeline import Timeline, plot_timeline
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.trainer.service import TrainingServiceError
 from asyncrl.trainer.worker import RLWorker
 from asyncrl.weights import WeightPublisher, make_publisher, transfer_backend
@@ -116,7 +117,9 @@ class RLTrainer:
                                        service=agent_service)
             self.workflow = self.agents.workflow
         else:
-            self.workflow = RLVRWorkflow.from_config(self.tokenizer, cfg.gconfig, cfg.workflow)
+            self.workflow = RLVRWorkflow.from_config(
+                self.tokenizer, cfg.gconfig, cfg.workflow,
+                images=load_image_prompts(resolve_model_path(cfg.tokenizer_path)))
         train_items, stream = self._train_items()
         B = cfg.rollout.consumer_batch_size
         steps_per_epoch = len(train_items) // B if stream is not None else cfg.total_train_steps

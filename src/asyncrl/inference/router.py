@@ -259,6 +259,9 @@ class RouterClient:
     `addresses`, `weight_group`, `weight_group_name` and `live_servers` are the router's
     state as of the last call (`refresh` fetches it)."""
 
+    # Requests' images go to the router, whose backend client refuses them if it sends none.
+    serves_images = True
+
     def __init__(self, address: str, *, api_key: str | None = None,
                  request_timeout: float = 3600.0, update_weights_timeout: float = 300.0,
                  state: dict[str, Any] | None = None) -> None:

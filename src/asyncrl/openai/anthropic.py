@@ -48,7 +48,7 @@ from asyncrl.openai.shapes_base import (
 from asyncrl.openai.tool_calls import CLOSE, OPEN
 
 _API = "/v1/messages"
-_BLOCKS = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use"},
+_BLOCKS = {"user": {"text", "tool_result", "image"}, "assistant": {"text", "tool_use"},
            "system": {"text"}, "tool_result": {"text"}}
 _TRIGGERS = {"clear_tool_uses_20250919": 100_000, "compact_20260112": 150_000}  # input tokens
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -60,10 +60,13 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 class AnthropicRoutes:
     """POST /v1/messages and /v1/messages/count_tokens over a chat and a count callable."""
 
-    def __init__(self, chat: ChatFn, model_name: str, count: CountFn):
+    def __init__(self, chat: ChatFn, model_name: str, count: CountFn, *,
+                 reads_images: bool = False):
+        """`reads_images`: the served model takes image blocks (else they are refused)."""
         self.chat = chat
         self.model_name = model_name
         self.count = count
+        self.reads_images = reads_images
 
     def add_to(self, app: web.Application) -> None:
         """Mount the routes on `app`."""
@@ -74,7 +77,7 @@ class AnthropicRoutes:
         """Answer one Messages request (JSON, or SSE when `stream` is true)."""
         try:
             body = await read_body(request)
-            chat = to_chat(body, self.model_name)
+            chat = to_chat(body, self.model_name, self.reads_images)
             await self._check_triggers(request, body, chat)
             if body["max_tokens"] == 0:  # the API's cache warm-up: nothing is generated
                 answer = _nothing(await self.count(request, chat))
@@ -91,7 +94,7 @@ class AnthropicRoutes:
         """{"input_tokens": n}: the prompt tokens the same body would be answered with."""
         try:
             body = await read_body(request)
-            chat = to_chat({"max_tokens": 1, **body}, self.model_name)
+            chat = to_chat({"max_tokens": 1, **body}, self.model_name, self.reads_images)
             n = await self.count(request, chat)
         except OpenAIError as e:
             return web.json_response(error_body(e), status=e.status)
@@ -136,8 +139,9 @@ def error_body(e: OpenAIError) -> dict[str, Any]:
 
 # ---- request: Messages -> chat -------------------------------------------------------------
 
-def to_chat(body: dict[str, Any], model_name: str) -> dict[str, Any]:
-    """The /v1/chat/completions body (stream false) that answers a Messages body."""
+def to_chat(body: dict[str, Any], model_name: str, reads_images: bool = False) -> dict[str, Any]:
+    """The /v1/chat/completions body (stream false) that answers a Messages body; image
+    blocks become image_url parts where `reads_images`, else they are refused."""
     compat.check(body, compat.MESSAGES, _API)
     max_tokens = 1 if body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool) \
         else positive_int(body, "max_tokens", required=True)
@@ -154,7 +158,7 @@ def to_chat(body: dict[str, Any], model_name: str) -> dict[str, Any]:
     users = [i for i, m in enumerate(raw) if isinstance(m, dict) and m.get("role") == "user"]
     for i, m in enumerate(raw):
         later_user = bool(users) and users[-1] > i
-        messages.extend(_turn(m, f"messages[{i}]", later_user))
+        messages.extend(_turn(m, f"messages[{i}]", later_user, reads_images))
     chat: dict[str, Any] = {"model": model_name, "messages": messages,
                             "max_tokens": max_tokens, "stream": False}
     if body.get("tools"):
@@ -195,7 +199,8 @@ def context_edits(body: dict[str, Any]) -> list[dict[str, Any]]:
     return edits
 
 
-def _blocks(content: Any, where: str, role: str) -> list[dict[str, Any]]:
+def _blocks(content: Any, where: str, role: str,
+            reads_images: bool = False) -> list[dict[str, Any]]:
     """Content as checked blocks this role may hold (a string is one text block); blocks
     that compat ignores (another model's thinking) are left out."""
     if isinstance(content, str):
@@ -208,6 +213,8 @@ def _blocks(content: Any, where: str, role: str) -> list[dict[str, Any]]:
         rule = compat.kind(compat.MESSAGE_BLOCKS, kind, _API, f"{where}[{j}].type")
         if rule.treatment == "ignored":
             continue
+        if kind == "image" and not reads_images:
+            compat.refuse_text_only(f"{where}[{j}].type", kind)
         if kind not in _BLOCKS[role]:
             raise OpenAIError(f"{where}[{j}].type {kind!r} cannot be in {role} content; use "
                               f"one of {sorted(_BLOCKS[role])}", param=f"{where}[{j}].type")
@@ -221,7 +228,8 @@ def _text(content: Any, where: str) -> str:
     return "".join(b["text"] for b in _blocks(content, where, "system"))
 
 
-def _turn(m: Any, where: str, later_user: bool) -> list[dict[str, Any]]:
+def _turn(m: Any, where: str, later_user: bool,
+          reads_images: bool = False) -> list[dict[str, Any]]:
     """The chat messages of one Messages turn (none for a system message already cleared)."""
     role = m.get("role") if isinstance(m, dict) else None
     compat.kind(compat.MESSAGE_ROLES, role, _API, f"{where}.role", "role")
@@ -233,18 +241,39 @@ def _turn(m: Any, where: str, later_user: bool) -> list[dict[str, Any]]:
         if clear_at == "next_user_message" and later_user:
             return []
         return [{"role": "system", "content": _text(m.get("content"), f"{where}.content")}]
-    blocks = _blocks(m.get("content"), f"{where}.content", role)
+    blocks = _blocks(m.get("content"), f"{where}.content", role, reads_images)
     if role == "assistant":
         return [_assistant(blocks, f"{where}.content")]
     out: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):  # tool results and text keep their order
+    for j, block in enumerate(blocks):  # tool results, text and images keep their order
         if block["type"] == "tool_result":
             out.append(_tool_result(block, f"{where}.content[{j}]"))
-        elif out and out[-1]["role"] == "user":
-            out[-1]["content"] += block["text"]
+            continue
+        part = _image_part(block, f"{where}.content[{j}]") if block["type"] == "image" \
+            else {"type": "text", "text": block["text"]}
+        if out and out[-1]["role"] == "user":
+            out[-1]["content"].append(part)
         else:
-            out.append({"role": "user", "content": block["text"]})
+            out.append({"role": "user", "content": [part]})
+    for m in out:  # text only: one string, as the text-only chat body always was
+        if m["role"] == "user" and all(p["type"] == "text" for p in m["content"]):
+            m["content"] = "".join(p["text"] for p in m["content"])
     return out
+
+
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block with a base64 source as the chat body's image_url part (a data URL)."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "url":
+        raise OpenAIError(f"{where}.source: this server fetches no URLs; send the image as "
+                          "{type: base64, media_type, data}", param=f"{where}.source")
+    ok = isinstance(source, dict) and source.get("type") == "base64" and isinstance(
+        source.get("data"), str) and str(source.get("media_type", "")).startswith("image/")
+    if not ok:
+        raise OpenAIError(f"{where}.source must be {{type: base64, media_type: image/..., "
+                          "data}", param=f"{where}.source")
+    url = f"data:{source['media_type']};base64,{source['data']}"
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:

@@ -59,6 +59,7 @@ Table = dict[str, Rule]
 _NO_STATE = "this server keeps no state between requests; send the whole conversation"
 _BILLING = "billing, quota and account routing have no meaning here"
 _CACHE = "prompt caching is automatic (a shared prefix is reused) and changes no token"
+TEXT_ONLY = "the model reads text only"
 
 # ---- /v1/chat/completions and /v1/completions -----------------------------------------------
 
@@ -124,7 +125,7 @@ CHAT: Table = {
 CHAT_ROLES: Table = {
     "system": tr("a system turn at its position"),
     "developer": tr("a system turn"),
-    "user": tr("text content"),
+    "user": tr("text content, and image parts (a vision-language model)"),
     "assistant": tr("text content and tool_calls"),
     "tool": tr("a tool result for tool_call_id"),
     "function": ref("the deprecated function-result role; send role tool"),
@@ -132,7 +133,10 @@ CHAT_ROLES: Table = {
 
 CHAT_PARTS: Table = {
     "text": tr("parts of one message are joined as they are"),
-    "image_url": ref("the model reads text only"),
+    "image_url": tr("a vision-language model's (its folder has an image processor): the "
+                    "image at its place in the turn, from a data:image/...;base64 URL (the "
+                    "server fetches nothing: an http(s) URL is a 400); detail is ignored. A "
+                    "text-only model refuses it: " + TEXT_ONLY),
     "input_audio": ref("the model reads text only"),
     "file": ref("the model reads text only"),
 }
@@ -242,7 +246,7 @@ MESSAGES: Table = {
 }
 
 MESSAGE_ROLES: Table = {
-    "user": tr("text and tool_result blocks"),
+    "user": tr("text, tool_result and image blocks"),
     "assistant": tr("text and tool_use blocks"),
     "system": tr("a system turn at its position (merged into the next user turn where the "
                  "chat template renders system turns only first); clear_at "
@@ -258,7 +262,9 @@ MESSAGE_BLOCKS: Table = {
     "thinking": ign("another model's thinking, dropped: the served model has none"),
     "redacted_thinking": ign("another model's thinking, dropped: the served model has none"),
     "fallback": ign("a marker of a server-side model fallback, dropped"),
-    "image": ref("the model reads text only"),
+    "image": tr("a vision-language model's: a base64 source as the image at its place in "
+                "the turn (a url source is a 400: the server fetches nothing). A text-only "
+                "model refuses it: " + TEXT_ONLY),
     "document": ref("the model reads text only"),
     "search_result": ref("search-result blocks (citations) are not rendered"),
     "container_upload": ref("no code-execution container"),
@@ -332,6 +338,11 @@ def kind(table: Table, value: Any, api: str, where: str, what: str = "type") -> 
     if rule.treatment == "ignored":
         note_ignored(api, f"{what} {value}", rule.note)
     return rule
+
+
+def refuse_text_only(where: str, value: str, what: str = "type") -> None:
+    """The 400 of an image part or block sent to a model that reads text only."""
+    raise OpenAIError(f"{where} {what} {value!r} is not supported: {TEXT_ONLY}", param=where)
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

@@ -19,9 +19,10 @@ from typing import Any
 
 import jinja2
 
-from asyncrl.api.types import SamplingParams
+from asyncrl.api.types import ImageInputs, SamplingParams
 from asyncrl.openai import compat
 from asyncrl.openai.errors import ContextLengthError, OpenAIError
+from asyncrl.openai.images import ImagePrompts
 from asyncrl.openai.tool_calls import hermes_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -45,6 +46,7 @@ class Job:
     generate: bool = True  # False: echo with max_tokens 0, the prompt's log-probs only
     tools: list[dict[str, Any]] | None = None  # set when tool calls are to be parsed
     stop: list[str] = field(default_factory=list)
+    images: ImageInputs | None = None  # chat: the images of its (one) prompt
 
 
 def _is_int(x: Any) -> bool:
@@ -193,8 +195,9 @@ def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
 
 
 def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
-               native_tools: bool) -> Job:
-    """Check a /v1/chat/completions body and render its messages with the chat template."""
+               native_tools: bool, vision: ImagePrompts | None = None) -> Job:
+    """Check a /v1/chat/completions body and render its messages with the chat template;
+    `vision`: the processor of a model that reads images (None: image parts are refused)."""
     body = _check_fields(body, compat.CHAT, "/v1/chat/completions", model_name)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
@@ -204,10 +207,16 @@ def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
     top_logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = _messages(body.get("messages"))
+    images: list[Any] = []
+    messages = _messages(body.get("messages"), vision, images)
     tools, choice = _tools(body.get("tools"), body.get("tool_choice"))
-    prompt = render_chat(tokenizer, messages, tools if choice != "none" else None, choice,
-                         native_tools)
+    text = render_chat_text(tokenizer, messages, tools if choice != "none" else None, choice,
+                            native_tools)
+    image_inputs = None
+    if images or (vision is not None and vision.placeholder in text):
+        prompt, image_inputs = vision.encode(text, images)
+    else:
+        prompt = tokenizer.encode(text, add_special_tokens=False)
     _check_length(prompt, max_model_len, "messages")
     room = max_model_len - len(prompt) if max_model_len else DEFAULT_CHAT_MAX_TOKENS
     max_tokens = _int(body, "max_completion_tokens", None, lo=1)
@@ -218,11 +227,14 @@ def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None,
     return Job(prompts=[prompt], sampling=_sampling(body, max_tokens, stop, top_logprobs),
                n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=usage,
                logprobs=logprobs, top_logprobs=top_logprobs, stop=stop,
-               tools=tools if tools and choice != "none" else None)
+               tools=tools if tools and choice != "none" else None, images=image_inputs)
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    """Checked messages: role, text content, and tool calls or tool_call_id where present."""
+def _messages(messages: Any, vision: ImagePrompts | None = None,
+              images: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Checked messages: role, text content, and tool calls or tool_call_id where present.
+    Image parts (user turns, a model that reads images) become the processor's placeholder
+    in the text, their images appended to `images` in order."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages must be a non-empty list", param="messages")
     out = []
@@ -233,7 +245,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         compat.kind(compat.CHAT_ROLES, m.get("role"), "/v1/chat/completions", f"{where}.role",
                     "role")
         role = "system" if m["role"] == "developer" else m["role"]
-        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), where)}
+        msg: dict[str, Any] = {"role": role,
+                               "content": _content(m.get("content"), where, vision, images,
+                                                   user=role == "user")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _history_calls(m["tool_calls"], where)
         elif msg["content"] is None and role != "assistant":
@@ -247,7 +261,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _content(content: Any, where: str) -> str | None:
+def _content(content: Any, where: str, vision: ImagePrompts | None = None,
+             images: list[Any] | None = None, user: bool = False) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -258,6 +273,9 @@ def _content(content: Any, where: str) -> str | None:
                                   param=f"{where}.content[{j}]")
             compat.kind(compat.CHAT_PARTS, part.get("type"), "/v1/chat/completions",
                         f"{where}.content[{j}].type")
+            if part["type"] == "image_url":
+                texts.append(_image(part, f"{where}.content[{j}]", vision, images, user))
+                continue
             if not isinstance(part.get("text"), str):
                 raise OpenAIError(f"{where}.content[{j}].text must be a string",
                                   param=f"{where}.content[{j}].text")
@@ -265,6 +283,22 @@ def _content(content: Any, where: str) -> str | None:
         return "".join(texts)
     raise OpenAIError(f"{where}.content must be a string or a list of text parts",
                       param=f"{where}.content")
+
+
+def _image(part: dict[str, Any], where: str, vision: ImagePrompts | None,
+           images: list[Any] | None, user: bool) -> str:
+    """An image_url part of a user turn: its image appended to `images`, the placeholder
+    returned."""
+    if vision is None or images is None:
+        compat.refuse_text_only(f"{where}.type", "image_url")
+    if not user:
+        raise OpenAIError(f"{where}: image parts are for user messages", param=where)
+    spec = part.get("image_url")
+    if not isinstance(spec, dict):
+        raise OpenAIError(f"{where}.image_url must be an object {{url, detail}}",
+                          param=f"{where}.image_url")
+    images.append(vision.decode_url(spec.get("url"), f"{where}.image_url.url"))
+    return vision.placeholder
 
 
 def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -319,6 +353,14 @@ def template_renders_tools(tokenizer) -> bool:
 def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 tool_choice: Any, native_tools: bool) -> list[int]:
     """The prompt token ids of `messages` under the tokenizer's chat template."""
+    return tokenizer.encode(render_chat_text(tokenizer, messages, tools, tool_choice,
+                                             native_tools), add_special_tokens=False)
+
+
+def render_chat_text(tokenizer, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None, tool_choice: Any,
+                     native_tools: bool) -> str:
+    """The prompt text of `messages` under the tokenizer's chat template."""
     if native_tools:
         messages = [_native(m) for m in messages]
     else:
@@ -337,7 +379,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str,
         compat.note_once(("chat template", "late system"), "the chat template rejects system "
                          f"messages after the first turn ({e}); each is merged into the next "
                          "user message (the last one when none follows)")
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 def _apply_template(tokenizer, messages: list[dict[str, Any]],

@@ -61,6 +61,7 @@ from asyncrl.openai.detokenize import (
     token_bytes,
     token_string,
 )
+from asyncrl.openai.images import ImagePrompts
 from asyncrl.openai.protocol import (
     Job,
     OpenAIError,
@@ -128,9 +129,13 @@ class OpenAIRoutes:
     """The /v1 routes of one served model."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_name: str, *,
-                 max_model_len: int | None = None, tool_parser: str | None = None):
+                 max_model_len: int | None = None, tool_parser: str | None = None,
+                 images: ImagePrompts | None = None):
+        """`images`: the processor of a model that reads images (`load_image_prompts`);
+        None: image parts and blocks are refused (the model reads text only)."""
         self.engine = engine
         self.tokenizer = tokenizer
+        self.images = images
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.native_tools = template_renders_tools(tokenizer)
@@ -149,7 +154,8 @@ class OpenAIRoutes:
                         web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions)])
         ResponsesRoutes(self._chat_fn, self.model_name).add_to(app)
-        AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn).add_to(app)
+        AnthropicRoutes(self._chat_fn, self.model_name, self._count_fn,
+                        reads_images=self.images is not None).add_to(app)
 
     async def _chat_fn(self, request: web.Request, body: dict) -> dict:
         return await self.chat_json(body)
@@ -191,20 +197,20 @@ class OpenAIRoutes:
     async def answer_chat(self, request: web.Request, body: Any) -> web.StreamResponse:
         """Answer a /v1/chat/completions `body` (already read from `request`)."""
         job = parse_chat(_checked_body(body), self.tokenizer, self.model_name,
-                         self.max_model_len, self.native_tools)
+                         self.max_model_len, self.native_tools, self.images)
         return await self._answer(request, job, chat=True)
 
     async def chat_json(self, body: dict) -> dict:
         """The chat.completion object for a non-streamed chat `body` (OpenAIError if bad)."""
         job = parse_chat(body, self.tokenizer, self.model_name, self.max_model_len,
-                         self.native_tools)
+                         self.native_tools, self.images)
         job.stream = False
         return await self._answer_json(job, chat=True)
 
     def prompt_length(self, body: dict) -> int:
         """The prompt token count of a chat `body` (OpenAIError if bad; no length limit)."""
         return len(parse_chat(body, self.tokenizer, self.model_name, None,
-                              self.native_tools).prompts[0])
+                              self.native_tools, self.images).prompts[0])
 
     # ---- answering ----------------------------------------------------------------------
 
@@ -213,11 +219,13 @@ class OpenAIRoutes:
         a seed, random streams derived from it by index)."""
         seed = job.sampling.seed
         return [GenerationRequest(input_ids=p, sampling=job.sampling if seed is None else
-                                  dataclasses.replace(job.sampling, seed=mix_seed(seed, index)))
+                                  dataclasses.replace(job.sampling, seed=mix_seed(seed, index)),
+                                  images=job.images)
                 for index, p in enumerate(p for p in job.prompts for _ in range(job.n))]
 
     async def _answer(self, request: web.Request, job: Job, *, chat: bool) -> web.StreamResponse:
         envelope = self._envelope(chat)
+        self._check_engine_serves(job, chat)
         if job.stream:
             return await self._stream(request, job, envelope, chat=chat)
         return web.json_response(await self._answer_json(job, chat=chat, envelope=envelope))
@@ -240,6 +248,10 @@ class OpenAIRoutes:
                 "usage": _usage(job, resps)}
 
     def _check_engine_serves(self, job: Job, chat: bool) -> None:
+        if job.images is not None and not getattr(self.engine, "serves_images", False):
+            raise OpenAIError("messages: the request has images, but this backend sends its "
+                              "servers no images; serve a vision-language model with our "
+                              "engine (rollout.backend local)", param="messages")
         if (job.top_logprobs or _scores(job)) and not getattr(self.engine, "serves_top_logprobs",
                                                               False):
             param = "echo" if _scores(job) else "top_logprobs" if chat else "logprobs"
@@ -516,12 +528,12 @@ def _usage(job: Job, resps: list[GenerationResponse]) -> dict[str, int]:
 
 
 def openai_app(engine: Any, tokenizer: Any, model_name: str, *, api_key: str | None = None,
-               max_model_len: int | None = None,
-               tool_parser: str | None = None) -> web.Application:
+               max_model_len: int | None = None, tool_parser: str | None = None,
+               images: ImagePrompts | None = None) -> web.Application:
     """A stand-alone app serving the /v1 routes (the gateway's, and tests')."""
     app = web.Application(middlewares=[openai_auth(api_key)])
     OpenAIRoutes(engine, tokenizer, model_name, max_model_len=max_model_len,
-                 tool_parser=tool_parser).add_to(app)
+                 tool_parser=tool_parser, images=images).add_to(app)
     spec = openapi.gateway(model_name, api_key=bool(api_key))
 
     async def description(request: web.Request) -> web.Response:

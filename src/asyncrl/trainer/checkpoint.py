@@ -82,8 +82,10 @@ def full_state_dict(model: torch.nn.Module, *, prefix: str, drop: set[str],
 
 
 def write_hf_folder(path: str | os.PathLike, weights: dict[str, torch.Tensor], config: Any,
-                    tokenizer: Any, generation_config: Any | None = None) -> None:
-    """Write safetensors weights, config (its dtype set to the weights') and tokenizer.
+                    tokenizer: Any, generation_config: Any | None = None,
+                    processor: Any | None = None) -> None:
+    """Write safetensors weights, config (its dtype set to the weights') and tokenizer (and
+    a vision-language model's processor, without which the folder reads text only).
     A weights file of the same layout already there is overwritten in place."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +98,8 @@ def write_hf_folder(path: str | os.PathLike, weights: dict[str, torch.Tensor], c
     if generation_config is not None:
         generation_config.save_pretrained(out)
     _save_tokenizer(tokenizer, out)
+    if processor is not None:
+        _save_tokenizer(processor, out)  # its processor_config.json, skipped the same way
 
 
 # id of a tokenizer -> (the tokenizer, {file name: sha256 of what its save wrote})

@@ -70,6 +70,8 @@ from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
 logger = logging.getLogger(__name__)
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
+# A micro-batch's image tiles: pixel_values, pixel_attention_mask, image_rows (TensorBatch).
+RowImages = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # On the CPU, the trie's node count and packed-row width rounded up to these multiples
 # (`trainer/prefix.py`): oneDNN builds a matmul primitive per shape it has not seen, ~3 ms
 # each, and every batch of a run has other sizes (~19 new shapes, 50-70 ms of each step);
@@ -87,6 +89,10 @@ class TokenLogprobModel(nn.Module):
 
     Given a `PrefixPack`, the decoder runs on the trie's nodes and each distinct (prefix,
     token) goes through the projection once; rows sharing it read the same value.
+
+    A vision-language model's rows may carry images (`TensorBatch.pixel_values`): HF's
+    vision encoder and connector run on their tiles, and the features replace the
+    embeddings of each row's prompt image tokens, as the inference engine placed them.
     """
 
     packs_prefixes = True  # its forward takes `pack` (FSDPTrainEngine checks it)
@@ -98,16 +104,17 @@ class TokenLogprobModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 targets: torch.Tensor, with_entropy: bool = False,
-                pack: PrefixPack | None = None
+                pack: PrefixPack | None = None, images: RowImages | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[B, T] fp32 log-probs where `targets` (bool [B, T]) is True, 0 elsewhere.
 
         `with_entropy`: also the entropy of the sampling distribution (logits / T) at those
         positions, [B, T], without gradient. `pack`: the rows' trie (the same numbers).
+        `images`: the rows' image tiles (pixel_values, pixel_attention_mask, image_rows).
         """
         chosen = targets[:, 1:]  # token t is predicted by the hidden state at t - 1
         if pack is None:
-            out = self._decode(input_ids=input_ids, attention_mask=attention_mask)
+            out = self._decode(images, input_ids=input_ids, attention_mask=attention_mask)
             hidden = out.last_hidden_state[:, :-1][chosen]
             parts = self._logprobs(hidden, input_ids[:, 1:][chosen], with_entropy)
         else:
@@ -129,14 +136,37 @@ class TokenLogprobModel(nn.Module):
         parts = self._logprobs(hidden, pack.input_ids.flatten()[nodes], with_entropy)
         return [values[spread] for values in parts]
 
-    def _decode(self, **inputs: torch.Tensor) -> Any:
+    def _decode(self, images: RowImages | None = None, **inputs: torch.Tensor) -> Any:
         """The decoder on `inputs`; the input embedding's gradient to its sink where it has
         one (`precision.embedding`: the tied embedding's rows added in fp32)."""
         embeds = precision.embedding(self.hf.get_input_embeddings(), inputs["input_ids"])
+        if images is not None:
+            if embeds is None:
+                embeds = self.hf.get_input_embeddings()(inputs["input_ids"])
+            embeds = self._with_images(inputs["input_ids"], embeds, images)
         if embeds is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = embeds
         return self.hf.get_decoder()(**inputs, use_cache=False)
+
+    def _with_images(self, input_ids: torch.Tensor, embeds: torch.Tensor,
+                     images: RowImages) -> torch.Tensor:
+        """`embeds` with each row's prompt image tokens (its first tiles x tokens-per-tile
+        image tokens: a sampled image token is embedded as a token, as the engine does)
+        replaced by its tiles' features, in order."""
+        pixel_values, pixel_mask, rows = images
+        features = self.hf.get_image_features(pixel_values[None], pixel_mask[None]).pooler_output
+        per_row = torch.bincount(rows, minlength=input_ids.shape[0]) * features.shape[1]
+        is_image = input_ids == self.hf.config.image_token_id
+        mask = is_image & (is_image.cumsum(-1) <= per_row[:, None])
+        placed = mask.sum(-1)
+        if not torch.equal(placed, per_row):
+            bad = int((placed != per_row).nonzero()[0, 0])
+            raise ValueError(f"row {bad} of the batch has {int(placed[bad])} image tokens for "
+                             f"{int(per_row[bad])} image features: its prompt and images must "
+                             "come from one processor call")
+        flat = features.reshape(-1, features.shape[-1]).to(embeds.dtype)
+        return embeds.masked_scatter(mask[..., None], flat)
 
     def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
                   with_entropy: bool) -> list[torch.Tensor]:
@@ -299,6 +329,7 @@ class FSDPTrainEngine:
         self._compute_weights: ComputeWeights | None = None  # one rank, bf16 compute
         self._owns_process_group = False
         self.lora_config: Any = None  # PEFT's LoraConfig with spec.use_lora (trainer/lora.py)
+        self.processor: Any = None  # a vision-language model's, saved with its weights
         self._base_path = ""  # the model the weights (the base, with LoRA) come from
         self._moe: MoeTraining | None = None  # MoE models: aux loss, routing replay
 
@@ -306,7 +337,7 @@ class FSDPTrainEngine:
 
     def initialize(self) -> None:
         """Join the process group, load and shard the model, build optimiser and schedule."""
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
         self.device = local_device(self.spec.device)
         self._owns_process_group = init_process_group(self.spec.device)
@@ -336,6 +367,9 @@ class FSDPTrainEngine:
             use_fused_mlps(hf_model)  # trainer/cpu/mlp.py
             use_fused_rope(hf_model)  # trainer/cpu/rope.py (bit for bit HF's, module-wide)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # a vision-language model's processor, saved with its weights
+        if hasattr(hf_model.config, "vision_config"):
+            self.processor = AutoProcessor.from_pretrained(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:
             # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
@@ -361,12 +395,15 @@ class FSDPTrainEngine:
         return TokenLogprobModel(hf_model, self.spec.temperature)
 
     def _load_hf_model(self, path: str) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        config = AutoConfig.from_pretrained(path)
+        # a vision-language model (Idefics3, SmolVLM): its whole module, vision side included
+        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") \
+            else AutoModelForCausalLM
         if self.spec.init_from_scratch:
-            config = AutoConfig.from_pretrained(path)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            return auto.from_config(config, dtype=torch.float32)
+        return auto.from_pretrained(path, dtype=torch.float32)
 
     def _shard(self, model: nn.Module) -> None:
         if self.world_size == 1 and not cpu_paths().fsdp_on_one_rank:
@@ -535,6 +572,12 @@ class FSDPTrainEngine:
     def _root_forward(self, model: nn.Module, mb: TensorBatch, targets: torch.Tensor,
                       **kwargs: Any) -> Any:
         """The root's forward on `mb`, through the rows' prefix trie if `spec.shared_prefix`."""
+        if mb.pixel_values is not None:
+            if self.spec.shared_prefix:
+                raise ValueError("a batch with images cannot run as a prefix trie (equal "
+                                 "image tokens, other pixels): set actor.shared_prefix=false "
+                                 "for a vision-language model")
+            kwargs["images"] = (mb.pixel_values, mb.pixel_attention_mask, mb.image_rows)
         if self.spec.shared_prefix:
             nodes, width = SHAPE_MULTIPLES if self.device.type == "cpu" else (1, 1)
             pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu(),
@@ -609,7 +652,7 @@ class FSDPTrainEngine:
         if self.rank == 0:
             hf = model.hf
             checkpoint.write_hf_folder(path, weights, hf.config, self.tokenizer,
-                                       getattr(hf, "generation_config", None))
+                                       getattr(hf, "generation_config", None), self.processor)
         dist.barrier()
 
     def _save_adapters(self, path: str, dtype: torch.dtype | None) -> None:

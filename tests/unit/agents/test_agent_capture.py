@@ -12,7 +12,7 @@ from asyncrl.agents.online import OnlineAdmission, TaskBaseline
 from asyncrl.agents.runner import parse_reward_line, resolve_agent
 from asyncrl.agents.session import SessionStatus, SessionStore
 from asyncrl.algorithms.advantages import normalize
-from asyncrl.api.types import Batch, StopReason, Trajectory
+from asyncrl.api.types import Batch, ImageInputs, StopReason, Trajectory
 from asyncrl.models.tiny import CHATML_TEMPLATE, make_tiny_tokenizer
 from asyncrl.openai.drift import check_template_drift
 
@@ -195,3 +195,22 @@ def test_evaluation_counts_each_agent_session_once():
     stats = result.stats
     assert (stats["eval/n"], stats["eval/reward"], len(result.trajectories)) == (2.0, 0.5, 4)
     assert stats["eval/pass@1"] == 0.0 and stats["eval/mean@1"] == 0.5
+
+
+def test_a_turn_with_equal_ids_but_other_pixels_is_not_merged_into_the_conversation():
+    def tiles(value: float, n: int) -> ImageInputs:
+        return ImageInputs(pixel_values=torch.full((n, 3, 4, 4), value))
+
+    def completion(cid: str, prompt: list[int], images: ImageInputs) -> Completion:
+        return Completion(id=cid, prompt_ids=prompt, output_ids=[7, 8], logprobs=[-1.0, -1.0],
+                          versions=[0, 0], stop_reason=StopReason.STOP, images=images)
+
+    first = completion("a", [1, 9, 9, 2], tiles(0.5, 1))
+    same = completion("b", [1, 9, 9, 2, 7, 8, 3, 9, 4], ImageInputs.cat([tiles(0.5, 1),
+                                                                         tiles(0.1, 1)]))
+    other = completion("c", [1, 9, 9, 2, 7, 8, 3, 9, 4], ImageInputs.cat([tiles(-0.5, 1),
+                                                                          tiles(0.1, 1)]))
+    assert parents([first, same]) == ([None, 0], [None, None])
+    assert parents([first, other]) == ([None, None], [None, None])
+    (merged,) = export([first, same], style="tree", discount=1.0, group_id="g").trajectories
+    assert merged.images is same.images and merged.loss_mask == [0] * 4 + [1, 1] + [0] * 3 + [1, 1]

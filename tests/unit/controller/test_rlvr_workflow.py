@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 
 import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor
 
 from asyncrl.api.protocols import Workflow
 from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
@@ -12,6 +17,8 @@ from asyncrl.config.schema import GenerationConfig
 from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data import build_messages, encode_chat
 from asyncrl.models.tiny import make_tiny_tokenizer
+from asyncrl.models.tiny_vlm import make_tiny_vlm
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.rewards import RewardError, RewardRunner, gsm8k_reward
 
 ITEM = {"id": "gsm8k-1", "question": "What is 9 * 2?", "answer": "18", "task": "gsm8k"}
@@ -189,3 +196,35 @@ def test_a_seeded_item_gives_each_sample_its_own_seed(tok):
         sorted(mix_seed(77, i) for i in range(3))
     assert len({r.sampling.seed for r in engine.requests[:3]}) == 3
     assert [r.sampling.seed for r in engine.requests[3:]] == [None] * 3
+
+
+def test_an_items_images_go_first_in_its_turn_and_reach_the_request_and_trajectories(tmp_path):
+    path = make_tiny_vlm(tmp_path / "vlm")
+    processor = AutoProcessor.from_pretrained(path)
+    red, blue = Image.new("RGB", (40, 40), (200, 10, 30)), Image.new("RGB", (64, 16), (0, 0, 90))
+    buf = io.BytesIO()
+    blue.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    item = {**ITEM, "images": [red, url]}
+    tok = processor.tokenizer
+    workflow = RLVRWorkflow(tok, GenerationConfig(n_samples=2, max_new_tokens=16),
+                            RewardRunner(gsm8k_reward, 5.0), system_prompt=SYSTEM,
+                            images=load_image_prompts(path))
+    engine = FakeEngine(tok, ["#### 18"])
+    trajs = asyncio.run(workflow.run(engine, item))
+    workflow.close()
+    # independently: the processor on the same turn, images first in the user message
+    text = processor.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": ITEM["question"]}]}],
+        add_generation_prompt=True)
+    expected = processor(text=text, images=[red, blue], add_special_tokens=False,
+                         return_tensors="pt")
+    ids = expected["input_ids"][0].tolist()
+    assert [r.input_ids for r in engine.requests] == [ids, ids]
+    for req, traj in zip(engine.requests, trajs, strict=True):
+        assert torch.equal(req.images.pixel_values, expected["pixel_values"][0])
+        assert traj.images is req.images and traj.input_ids[:len(ids)] == ids
+        assert traj.reward == 1.0
+    with pytest.raises(ValueError, match="has images, but the model reads text only"):
+        make_workflow(make_tiny_tokenizer()).prompt_ids(item)

@@ -108,6 +108,7 @@ class HTTPInferenceClient:
 
     backend = "base"
     health_path = "/health"
+    serves_images = False  # whether requests' images reach the servers (our own: local)
 
     def __init__(self, addresses: list[str], *, request_timeout: float = 3600.0,
                  request_retries: int = 3, update_weights_timeout: float = 300.0,
@@ -183,6 +184,10 @@ class HTTPInferenceClient:
 
     async def agenerate(self, req: GenerationRequest) -> GenerationResponse:
         """Generate on the least-busy live server (the one that served `req.rid` before, if any)."""
+        if req.images is not None and not self.serves_images:
+            raise ValueError(f"request {req.rid} has images, but the {self.backend} backend's "
+                             "client sends its servers none; serve a vision-language model "
+                             "with our engine (rollout.backend local)")
         return await self._on_client_loop(self._route(req))
 
     async def pause(self) -> None:

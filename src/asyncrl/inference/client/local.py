@@ -29,6 +29,7 @@ class LocalServerClient(HTTPInferenceClient):
     """Routes generations to the least-busy local server and syncs weights on all of them."""
 
     backend = "local"
+    serves_images = True  # GenerationRequest.to_dict carries them to /generate
 
     async def _generate_on(self, idx: int, req: GenerationRequest) -> GenerationResponse:
         body = await self._request(self.addresses[idx], "/generate", req.to_dict(),

@@ -38,12 +38,13 @@ from aiohttp import web
 from asyncrl.api import openapi
 from asyncrl.api.cores import CoreShare
 from asyncrl.api.http import PUBLIC_PATHS, key_matches, serve_app
-from asyncrl.api.types import GenerationRequest, SamplingParams
+from asyncrl.api.types import GenerationRequest, ImageInputs, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.server.cpu_decode import huge_empty
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.inference.server.local_backend import LocalBackend
 from asyncrl.inference.server.model import CheckpointError, check_tensors, hf_shapes
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.openai.routes import OpenAIRoutes, unauthorized
 from asyncrl.weights import ipc, transport
 
@@ -77,7 +78,7 @@ def parse_generation_request(body: Any) -> GenerationRequest:
     """Validate a /generate body; BadRequest names the offending field."""
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
-    unknown = set(body) - {"rid", "input_ids", "sampling"}
+    unknown = set(body) - {"rid", "input_ids", "sampling", "images"}
     if unknown:
         raise BadRequest(f"unknown fields {sorted(unknown)}")
     if not _is_int_list(body.get("input_ids")) or not body["input_ids"]:
@@ -106,6 +107,15 @@ def parse_generation_request(body: Any) -> GenerationRequest:
     except ValueError as e:
         raise BadRequest(f"sampling: {e}") from None
     extra = {"rid": rid} if rid else {}
+    if body.get("images") is not None:
+        images = body["images"]
+        if not isinstance(images, dict) or "pixel_values" not in images:
+            raise BadRequest("images must be an object with pixel_values (and optionally "
+                             "pixel_attention_mask), each {shape, data}")
+        try:
+            extra["images"] = ImageInputs.from_dict(images)
+        except ValueError as e:
+            raise BadRequest(f"images: {e}") from None
     return GenerationRequest(input_ids=body["input_ids"], sampling=params, **extra)
 
 
@@ -167,8 +177,9 @@ class InferenceServer:
         self._receiving = asyncio.Lock()
         self._buffers: list[torch.Tensor] = []  # receive buffers, kept for the next update
         self.ipc = ipc.IpcImporter()  # the trainer's shared buffer, mapped (CUDA IPC)
+        images = load_image_prompts(engine.model_path) if engine.vision is not None else None
         OpenAIRoutes(LocalBackend(engine), engine.tokenizer, model_name,
-                     max_model_len=engine.config.max_seq_len).add_to(self.app)
+                     max_model_len=engine.config.max_seq_len, images=images).add_to(self.app)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -286,7 +297,8 @@ class InferenceServer:
         async with self._receiving:
             try:  # before any byte comes: a layout that does not fit would derail the stream
                 check_tensors(dict(zip(layout.names, layout.shapes)),
-                              hf_shapes(self.engine.model.cfg), "the broadcast's layout")
+                              hf_shapes(self.engine.model.cfg), "the broadcast's layout",
+                              self.engine.model.cfg.foreign_prefixes)
                 await asyncio.get_running_loop().run_in_executor(
                     None, self._receive, group, layout, timeout, version)
             except (CheckpointError, RuntimeError) as e:
@@ -320,7 +332,8 @@ class InferenceServer:
         async with self._receiving:
             try:
                 check_tensors(dict(zip(layout.names, layout.shapes)),
-                              hf_shapes(self.engine.model.cfg), "the IPC update's layout")
+                              hf_shapes(self.engine.model.cfg), "the IPC update's layout",
+                              self.engine.model.cfg.foreign_prefixes)
                 await asyncio.get_running_loop().run_in_executor(
                     None, self._load_shared, layout, handle, version)
             except (CheckpointError, ipc.IpcUnavailable) as e:

@@ -15,6 +15,12 @@ that fails half-way leaves the served weights and version as they were.
 
 `step()` can also be driven by hand (without `start()`), which makes tests deterministic.
 
+A vision-language model (inference/server/vision.py) takes requests with images: at
+prefill, its vision encoder turns them into the embeddings of the prompt's image tokens.
+Such a prompt shares no cached prefix with another (equal tokens, other pixels), and a step
+that admits one prefills its new prompts apart from the decode rows (the C forward takes
+token ids only). Text-only steps run as for a text model.
+
 A Mixture-of-Experts model's responses carry the experts each MoE layer chose for each
 token the engine ran (prefill and decode), for routing replay in the trainer.
 
@@ -51,10 +57,14 @@ from asyncrl.inference.server.model import (
     CheckpointError,
     Transformer,
     Weights,
+    checkpoint_files,
     hf_shapes,
+    load_config,
     mapped_checkpoint,
+    read_checkpoint_file,
 )
 from asyncrl.inference.server.sampling import SamplingBatch, StopChecker, sample, top_logprobs
+from asyncrl.inference.server.vision import VisionEncoder, is_vision_language
 from asyncrl.models import lora
 from asyncrl.models.hub import resolve_model_path
 
@@ -148,6 +158,13 @@ class LocalEngine:
                                                  max_seq_len=self.config.max_seq_len, device=device)
         self._size_cache(device, gpu_memory_fraction, kv_budget_bytes)
         self.cache = self.model.new_cache(self.config.max_batch_size, self.config.max_seq_len)
+        self.vision: VisionEncoder | None = None  # a vision-language model's image side
+        _, raw = load_config(self.model_path)
+        if is_vision_language(raw):
+            tensors = {n: t for f in checkpoint_files(self.model_path)
+                       for n, t in read_checkpoint_file(f).items() if VisionEncoder.own(n)}
+            self.vision = VisionEncoder(raw, tensors, dtype=self.model.dtype,
+                                        device=torch.device(device))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer)
         self.version = 0
@@ -161,7 +178,9 @@ class LocalEngine:
         self._last_token = torch.zeros(n, dtype=torch.long, device=device)  # next decode input
         self._position = torch.zeros(n, dtype=torch.long, device=device)  # its position
 
-        self._updates: list[tuple[Weights, int, concurrent.futures.Future]] = []
+        # (decoder weights, vision tensors of a vision-language model, version, done)
+        self._updates: list[tuple[Weights, dict[str, torch.Tensor] | None, int,
+                                  concurrent.futures.Future]] = []
         self._update_lock = threading.Lock()  # one update at a time: they share the spare
         self._spare: Weights | None = None  # swapped out by the last update; written by the next
         self._paused = False
@@ -240,7 +259,7 @@ class LocalEngine:
         error = RuntimeError("the inference engine was shut down")
         with self._cond:
             updates, self._updates = self._updates, []
-        for _, _, done in updates:
+        for *_, done in updates:
             done.set_exception(error)
         self._fail_all(error)
 
@@ -327,14 +346,16 @@ class LocalEngine:
                 adapter = lora.read_adapter(path)
             except (lora.AdapterError, OSError) as e:
                 raise CheckpointError(f"cannot read the adapter in {path!r}: {e}") from e
-            with mapped_checkpoint(self.model_path, hf_shapes(self.model.cfg)) as base:
+            with mapped_checkpoint(self.model_path, hf_shapes(self.model.cfg),
+                                   self.model.cfg.foreign_prefixes) as base:
                 try:
                     self.load_weights(lora.merged(base.items(), adapter), version)
                 except lora.AdapterError as e:
                     raise CheckpointError(f"adapter {path!r} does not fit the base "
                                           f"{self.model_path!r}: {e}") from e
             return
-        with mapped_checkpoint(path, hf_shapes(self.model.cfg)) as tensors:
+        with mapped_checkpoint(path, hf_shapes(self.model.cfg),
+                               self.model.cfg.foreign_prefixes) as tensors:
             self.load_weights(tensors.items(), version)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -356,9 +377,14 @@ class LocalEngine:
                 with _single_threaded():  # the engine thread keeps the only OpenMP team
                     weights = self.model.new_weights(reuse=self._spare)
                     self._spare = weights  # still spare until it is swapped in
+                    seen = {} if self.vision is not None else None
                     for name, tensor in named_tensors:
+                        if seen is not None and VisionEncoder.own(name):
+                            seen[name] = tensor.to(torch.float32, copy=True)
                         weights.load(name, tensor)
                     weights.finish()
+                    if seen is not None:
+                        self._check_vision_update(seen)
             except BaseException:
                 with self._cond:
                     self._cond.notify_all()
@@ -366,12 +392,24 @@ class LocalEngine:
             self._spare = None
             done: concurrent.futures.Future = concurrent.futures.Future()
             with self._cond:
-                self._updates.append((weights, version, done))
+                self._updates.append((weights, seen, version, done))
                 self._cond.notify_all()
             if self._thread is None:  # driven by hand: between two step() calls is a boundary
                 with self._step_lock:
                     self._apply_updates()
             done.result()
+
+    def _check_vision_update(self, tensors: dict[str, torch.Tensor]) -> None:
+        """CheckpointError unless `tensors` are the whole vision side, in its shapes."""
+        shapes = self.vision.shapes()
+        missing = sorted(set(shapes) - set(tensors))
+        unexpected = sorted(set(tensors) - set(shapes))
+        bad = [f"{n}: {tuple(t.shape)} != expected {shapes[n]}" for n, t in tensors.items()
+               if n in shapes and tuple(t.shape) != shapes[n]]
+        if missing or unexpected or bad:
+            raise CheckpointError(f"the update's vision tensors do not fit the model: missing "
+                                  f"{missing[:5]}, unexpected {unexpected[:5]}, mis-shaped "
+                                  f"{bad[:5]}")
 
     def weights_digest(self) -> dict:
         """The served version and the sha256 of its weights (equal weights, equal digests)."""
@@ -418,7 +456,7 @@ class LocalEngine:
                 return
             n_old = len(self._active)
             new = self._take_waiting()
-            if new and self.model.fused:
+            if new and self.model.fused and not _any_images(new):
                 self._mixed_step(n_old, new)
                 return
             if new:
@@ -429,12 +467,15 @@ class LocalEngine:
     def _apply_updates(self) -> None:
         with self._cond:
             updates, self._updates = self._updates, []
-        for weights, version, done in updates:
+        for weights, vision_tensors, version, done in updates:
             self._spare, self.model.w = self.model.w, weights
+            if vision_tensors is not None:
+                self.vision.load(vision_tensors.items())
             self.version = version
             if self.config.recompute_kv_on_update and self._active:
                 kv_tokens = [s.kv_tokens() for s in self._active]
-                if self.model.fused:  # shared prefixes (a group's prompt) computed once
+                # shared prefixes (a group's prompt) computed once; not an image prompt's
+                if self.model.fused and not _any_images(self._active):
                     self._forward_prompts(0, kv_tokens, decode=False)
                 else:
                     self._prefill(self._active, 0, kv_tokens)
@@ -489,7 +530,8 @@ class LocalEngine:
                 tokens[r, :len(toks)] = torch.tensor(toks)
             lengths = torch.tensor([len(t) for t in chunk])
             out.append(self.model.prefill(tokens.to(self.device), lengths.to(self.device),
-                                          self.cache, start + i))
+                                          self.cache, start + i,
+                                          embeds=self._image_embeds(seqs[i:j], tokens)))
             if self.model.last_routes is not None:
                 routes = self.model.last_routes.cpu()
                 for r, toks in enumerate(chunk):
@@ -497,12 +539,26 @@ class LocalEngine:
             i = j
         return torch.cat(out)
 
+    def _image_embeds(self, seqs: list[_Seq], tokens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mask, values) of the image tokens of `seqs`' rows of `tokens` [n, T] and their
+        features (`Transformer.prefill`'s `embeds`); None if no row has images."""
+        rows = [r for r, s in enumerate(seqs) if s.req.images is not None]
+        if not rows:
+            return None
+        mask = torch.zeros(tokens.shape, dtype=torch.bool)
+        mask[rows] = tokens[rows] == self.vision.image_token_id
+        values = torch.cat([self.vision.embed(seqs[r].req.images) for r in rows])
+        return mask.to(self.device), values
+
     def _mixed_step(self, n_old: int, new: list[_Seq]) -> None:
         """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..), in the
         same forward (see `_forward_prompts`)."""
         prompts = [s.req.input_ids for s in new]
-        # running sequences share what their cache holds (and only from the current weights)
-        cached = [s.kv_tokens() if s.kv_current else [] for s in self._active[:n_old]]
+        # running sequences share what their cache holds (and only from the current weights;
+        # not an image prompt's, whose image tokens' keys depend on its pixels)
+        cached = [s.kv_tokens() if s.kv_current and s.req.images is None else []
+                  for s in self._active[:n_old]]
         logits = self._forward_prompts(n_old, prompts, decode=True, cached=cached)
         self._sampling = SamplingBatch.from_params([s.req.sampling for s in self._active],
                                                    self.device)
@@ -635,6 +691,16 @@ class LocalEngine:
         bad = [t for t in req.input_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if req.images is not None and self.vision is None:
+            raise ValueError(f"the request has images but the model {self.model_path!r} reads "
+                             "text only; send its prompt without images")
+        if self.vision is not None:
+            n_image = req.input_ids.count(self.vision.image_token_id)
+            if req.images is None and n_image:
+                raise ValueError(f"input_ids holds {n_image} image tokens (id "
+                                 f"{self.vision.image_token_id}) but the request has no images")
+            if req.images is not None:
+                self.vision.check(req.images, n_image)
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -647,6 +713,10 @@ class LocalEngine:
             self._sampling = None
         for seq in seqs:
             seq.on_done(error)
+
+
+def _any_images(seqs: list[_Seq]) -> bool:
+    return any(s.req.images is not None for s in seqs)
 
 
 def _tops(logits: torch.Tensor, sb: SamplingBatch,

@@ -29,6 +29,7 @@ class LocalBackend:
 
     # The OpenAI routes serve top-k log-probs and prompt log-probs (echo) from this engine.
     serves_top_logprobs = True
+    serves_images = True  # a vision-language model's requests carry their images
 
     def __init__(self, engine: LocalEngine):
         self.engine = engine

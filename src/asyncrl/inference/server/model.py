@@ -18,6 +18,7 @@ decode attends over plain slices of the cache instead of gathering rows every st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncrl.inference.server import vision
 from asyncrl.inference.server.cpu_decode import (
     DecodeKernels,
     PackedMatrix,
@@ -93,6 +95,11 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Where the decoder's tensors are in the checkpoint (a vision-language model nests them
+    # under model.text_model.), and the prefixes of tensors another module reads (its
+    # vision encoder's): the decoder skips those.
+    text_prefix: str = "model."
+    foreign_prefixes: tuple[str, ...] = ()
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> ModelConfig:
@@ -346,7 +353,19 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        m + "down_proj.bias": (h,)}
         if cfg.qk_norm:
             shapes |= {a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
-    return shapes
+    return {text_name(cfg, n): shape for n, shape in shapes.items()}
+
+
+def is_foreign(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` is another module's than the decoder's."""
+    return bool(cfg.foreign_prefixes) and name.startswith(cfg.foreign_prefixes)
+
+
+def text_name(cfg: ModelConfig, name: str) -> str:
+    """The checkpoint name of decoder tensor `name` (as a causal LM's checkpoint has it)."""
+    if cfg.text_prefix != "model." and name.startswith("model."):
+        return cfg.text_prefix + name[len("model."):]
+    return name
 
 
 class Weights:
@@ -391,6 +410,8 @@ class Weights:
                 self.load(part, t)
             return
         write = self._writers.get(name)
+        if write is None and is_foreign(self._layout[0], name):
+            return  # another module's (a vision encoder's), loaded by its owner
         if write is None:
             # A tied checkpoint may still carry lm_head.weight; old ones carry rotary buffers.
             if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
@@ -563,6 +584,7 @@ class Weights:
                     t.expand_as(o))
                 lw.qk_norm = norms
             self.layers.append(lw)
+        self._writers = {text_name(cfg, n): w for n, w in self._writers.items()}
         # For the one-call decode step: each layer's 12 pointers, in kernels/decode.c's order
         # (the buffers stay where they are, so these hold for every later `load`).
         self.pointers = None
@@ -592,18 +614,21 @@ def _pack_rows(w: torch.Tensor, dst: torch.Tensor) -> None:
     dst.view(torch.int32)[..., 0].copy_(src)
 
 
-def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Read every *.safetensors in `path` and check names and shapes against `shapes`."""
+def read_checkpoint(path: str, shapes: dict[str, tuple[int, ...]],
+                    ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Read every *.safetensors in `path` and check names and shapes against `shapes`
+    (names starting with one of `ignore` may be there too)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(path):
         tensors.update(read_checkpoint_file(f))
-    check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes, f"checkpoint {path!r}")
+    check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes, f"checkpoint {path!r}",
+                  ignore)
     return tensors
 
 
 @contextlib.contextmanager
-def mapped_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]
-                      ) -> Iterator[dict[str, torch.Tensor]]:
+def mapped_checkpoint(path: str, shapes: dict[str, tuple[int, ...]],
+                      ignore: tuple[str, ...] = ()) -> Iterator[dict[str, torch.Tensor]]:
     """`read_checkpoint` without copying: the tensors are views of the files' mappings,
     valid inside the block only (a weight load copies each into its own buffers). Files
     with dtypes the mapping does not name are read by safetensors itself."""
@@ -617,7 +642,7 @@ def mapped_checkpoint(path: str, shapes: dict[str, tuple[int, ...]]
             except OSError as e:
                 raise CheckpointError(f"cannot read {f!r}: {e}") from e
         check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, shapes,
-                      f"checkpoint {path!r}")
+                      f"checkpoint {path!r}", ignore)
         try:
             yield tensors
         finally:
@@ -646,12 +671,14 @@ def read_checkpoint_file(file: str) -> dict[str, torch.Tensor]:
 
 
 def check_tensors(found: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
-                  what: str) -> None:
-    """CheckpointError naming the missing, unexpected and mis-shaped tensors of `found`."""
+                  what: str, ignore: tuple[str, ...] = ()) -> None:
+    """CheckpointError naming the missing, unexpected and mis-shaped tensors of `found`
+    (names starting with one of `ignore` are another module's: never unexpected)."""
     found = {part: tuple(t.shape) for name, shape in found.items()
              for part, t in per_expert(name, torch.empty(shape, device="meta"))}
     # A tied checkpoint may still carry lm_head.weight; old ones carry rotary buffers.
-    ignorable = {n for n in found if n.endswith("rotary_emb.inv_freq")}
+    ignorable = {n for n in found if n.endswith("rotary_emb.inv_freq")
+                 or (ignore and n.startswith(ignore))}
     if "lm_head.weight" not in shapes:
         ignorable.add("lm_head.weight")
     missing = sorted(set(shapes) - set(found))
@@ -672,7 +699,21 @@ def load_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
         raise FileNotFoundError(f"{path!r} has no config.json; is it an HF model folder?")
     with open(config_file) as f:
         raw = json.load(f)
+    if vision.is_vision_language(raw):  # our decoder runs its text part
+        cfg = ModelConfig.from_hf(vision.text_config(raw))
+        return dataclasses.replace(cfg, text_prefix=vision.TEXT_PREFIX,
+                                   foreign_prefixes=vision.VISION_PREFIXES), raw
     return ModelConfig.from_hf(raw), raw
+
+
+def _embed(tokens: torch.Tensor, table: torch.Tensor,
+           embeds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The tokens' embeddings, with `embeds`' values (mask, values) where its mask is True."""
+    x = F.embedding(tokens, table)
+    if embeds is not None:
+        mask, values = embeds
+        x[mask] = values.to(x.dtype)
+    return x
 
 
 @dataclass
@@ -731,7 +772,8 @@ class Transformer:
         Slow (disk, casting, packing) and side-effect free, so callers run it off the
         decode loop and swap the result in (`self.w = ...`) at a step boundary.
         """
-        tensors = read_checkpoint(path, hf_shapes(self.cfg))
+        tensors = read_checkpoint(path, hf_shapes(self.cfg), self.cfg.foreign_prefixes)
+        tensors = {n: t for n, t in tensors.items() if not is_foreign(self.cfg, n)}
         return Weights(self.cfg, tensors, self.dtype, self.device, pack=self.pack_mode())
 
     def new_weights(self, reuse: Weights | None = None) -> Weights:
@@ -795,18 +837,23 @@ class Transformer:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, slot_start: int,
-                *, all_logits: bool = False) -> torch.Tensor:
+                *, all_logits: bool = False,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Right-padded prompts [B, T] into slots slot_start.., returning last-token logits [B, V].
 
         With `all_logits`, logits at every position [B, T, V] (for tests and scoring).
+        `embeds` (mask bool [B, T], values [n, hidden]): the input embeddings of the n
+        positions where mask is True, in place of their tokens' (image features).
         """
         b, t = tokens.shape
         if self.fused:
             valid = torch.arange(t)[None, :] < lengths[:, None]  # [B, T]
             rows_b, rows_t = valid.nonzero(as_tuple=True)  # prompt by prompt, in order
             ends = lengths.cumsum(0) - 1  # each prompt's last row
+            if embeds is not None:
+                embeds = (embeds[0][rows_b, rows_t], embeds[1])
             logits = self.forward_rows(tokens[rows_b, rows_t], rows_b + slot_start, rows_t,
-                                        cache, None if all_logits else ends)
+                                        cache, None if all_logits else ends, embeds)
             if not all_logits:
                 return logits
             full = logits.new_zeros(b, t, logits.shape[-1])  # padded positions: 0
@@ -824,7 +871,8 @@ class Transformer:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
         cos, sin = self.cos[:t, None], self.sin[:t, None]  # [T, 1, hd] against [B, T, heads, hd]
-        x = self._layers(F.embedding(tokens, self.w.embed), cos, sin, attend)
+        x = _embed(tokens, self.w.embed, embeds)
+        x = self._layers(x, cos, sin, attend)
         if all_logits:
             return self._logits(x)
         return self._logits(x[torch.arange(b, device=self.device), lengths - 1])
@@ -914,18 +962,20 @@ class Transformer:
     @torch.inference_mode()
     def forward_rows(self, tokens: torch.Tensor, slots: torch.Tensor | None,
                       positions: torch.Tensor, cache: KVCache,
-                      out_rows: torch.Tensor | None) -> torch.Tensor:
+                      out_rows: torch.Tensor | None,
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [n, V] of rows `out_rows` (all if None) of the token rows `tokens` [R] at
         cache slots `slots` (0..R-1 if None) and `positions`, as one C call
         (kernels/decode.c forward_rows_bf16): our packed matmuls and the kernels between
-        them in one OpenMP parallel region. A prompt's rows attend each other causally."""
+        them in one OpenMP parallel region. A prompt's rows attend each other causally.
+        `embeds` (mask [R], values): as `prefill`'s."""
         c, w = self.cfg, self.w
         r, h, kv, hd = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         e, i, t, v = c.hidden_size, c.intermediate_size, cache.max_seq_len, c.vocab_size
         n_out = r if out_rows is None else out_rows.shape[0]
         threads = torch.get_num_threads()
         per_thread = max(e, 2 * (h // kv) * hd + (h // kv) * t + hd)
-        x = F.embedding(tokens, w.embed)  # [R, hidden], the residual stream (updated in place)
+        x = _embed(tokens, w.embed, embeds)  # [R, hidden], the residual stream (updated in place)
         buf = self._scratch("buf", r * (2 * e + (2 * h + 2 * kv) * hd + i) + n_out * e,
                             self.dtype)
         work = self._scratch("work", threads * per_thread, torch.float32)
