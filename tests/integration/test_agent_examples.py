@@ -7,6 +7,7 @@ sandbox, trajectories, two optimiser steps. The online example also runs its own
 a separate process that knows only the base_url and the admin key.
 """
 
+import json
 import os
 import shutil
 import socket
@@ -19,6 +20,7 @@ import yaml
 
 from asyncrl.config import load_config
 from asyncrl.controller.rl import train
+from asyncrl.inference.client.base import HTTPInferenceClient
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.observe import read_stats
 
@@ -44,6 +46,9 @@ SLOW_EXAMPLES = {"multiturn_math_subprocess_cpu.yaml", "hermes_cpu.yaml", "camel
 HERMES = os.environ.get("ASYNCRL_HERMES") or shutil.which("hermes") or \
     str(REPO / ".venv-hermes" / "bin" / "hermes")
 CAMEL_PYTHON = os.environ.get("ASYNCRL_CAMEL_PYTHON") or str(REPO / ".venv-camel" / "bin" / "python")
+# Runtimes written elsewhere whose recorded completions are checked token for token
+# against what the servers served (OpenClaw's and Claude Code's are in their own files).
+TOKEN_CHECKED = {"camel", "hermes"}
 
 
 def _has_camel(python: str) -> bool:
@@ -102,6 +107,16 @@ def test_agent_example_runs_two_steps(path, tmp_path, tiny_model, monkeypatch):
                         ".venv-camel/bin/pip install camel-ai==0.2.90 'mcp<2' "
                         "(or set ASYNCRL_CAMEL_PYTHON to an interpreter that has it)")
         monkeypatch.setenv("ASYNCRL_CAMEL_PYTHON", CAMEL_PYTHON)
+    served = []
+    if path.parent.name in TOKEN_CHECKED:
+        generate = HTTPInferenceClient.agenerate
+
+        async def recorded(self, req):
+            out = await generate(self, req)
+            served.append((list(out.input_ids), list(out.output_ids)))
+            return out
+        monkeypatch.setattr(HTTPInferenceClient, "agenerate", recorded)
+        overrides.append(f"agent.export_dir={tmp_path / 'sessions'}")
     client = None
     if online:
         port = _free_port()
@@ -135,3 +150,11 @@ def test_agent_example_runs_two_steps(path, tmp_path, tiny_model, monkeypatch):
     assert rows[-1]["rollout/episodes_failed"] == 0
     assert rows[-1]["sessions/ended"] >= 2 * 2
     assert all(r["perf/trained_tokens"] > 0 for r in rows)
+    if path.parent.name in TOKEN_CHECKED:
+        # Every completion the proxy recorded is, token for token, one the servers produced
+        # (answers still in flight when training stopped may be missing, never altered).
+        sessions = [json.loads(line) for line in
+                    (tmp_path / "sessions" / "sessions.jsonl").read_text().splitlines()]
+        captured = [(c["prompt_ids"], c["output_ids"])
+                    for session in sessions for c in session["completions"]]
+        assert len(captured) >= 4 and all(c in served for c in captured)
