@@ -107,3 +107,31 @@ def test_image_rows_need_an_image_processor_and_readable_images(vlm, data, tmp_p
                                "images": [train_tasks(size=1, seed=0)[0]["images"][0]]}) + "\n")
     with pytest.raises(DatasetError, match="image placeholders '<image>' of their own"):
         load_sft_examples(cfg, tokenizer, SYSTEM, processor=processor)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_frozen_modules_stay_fixed_while_the_vision_side_learns(vlm, data, dtype):
+    examples = load(vlm, data)
+    batch = collate([r for ex in examples for r in ex], AutoTokenizer.from_pretrained(vlm).pad_token_id)
+    spec = TrainEngineSpec(path=vlm, dtype=dtype, frozen_modules=("model.text_model", "lm_head"),
+                           optimizer=OptimizerConfig(lr=3e-3, gradient_clipping=0.0))
+    engine = FSDPTrainEngine(spec, total_steps=10)
+    engine.initialize()
+    try:
+        before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        losses = [engine.train_batch(batch, make_sft_loss_fn())["loss"] for _ in range(3)]
+        after = dict(engine.model.named_parameters())
+    finally:
+        engine.destroy()
+    assert losses[-1] < losses[0]
+    for name, p in before.items():
+        text = ".text_model." in name or name.endswith("lm_head.weight")
+        assert torch.equal(p, after[name].detach()) == text, name
+
+
+def test_a_frozen_prefix_that_names_nothing_is_refused(vlm):
+    spec = TrainEngineSpec(path=vlm, dtype="float32", frozen_modules=("model.vision",))
+    engine = FSDPTrainEngine(spec, total_steps=1)
+    with pytest.raises(ValueError, match="frozen_modules: 'model.vision' names no parameter"):
+        engine.initialize()
+    engine.destroy()
