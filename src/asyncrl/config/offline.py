@@ -65,7 +65,8 @@ class TrainEngineConfig:
     peft_type: str = "lora"  # the PEFT method; only "lora" is supported
     # Parameter-name prefixes to keep fixed: they take no gradients and no optimiser state,
     # and the saved folder holds them unchanged. A vision-language model's warm start may
-    # train its vision encoder and connector alone: ["model.text_model", "lm_head"].
+    # train its vision encoder and connector alone: ["model.text_model"] (a tied head is the
+    # embedding; add "lm_head" where the head is a tensor of its own).
     frozen_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

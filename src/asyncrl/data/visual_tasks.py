@@ -16,6 +16,9 @@ An item carries its image as a PNG data URL in `images` (what the RLVR workflow 
 SFT rows take) and the scene in `metadata`; the same (size, seed, split) gives the same
 items. `train_tasks` and `held_out_tasks` are dataset generators
 (`train_dataset.path: python:asyncrl.data.visual_tasks:train_tasks`).
+
+`hf_image_tasks` maps an HF image-question dataset (CLEVR counting, Geometry3K: rows of
+"images", "problem" and "answer") to the same item shape, for the GPU examples.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import base64
 import io
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,3 +149,29 @@ def train_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any
 def held_out_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any]]:
     """Held-out items: every scene holds a held-out (shape, colour) pair."""
     return generate(size=size, seed=seed, split="held_out", canvas=canvas)
+
+
+def hf_image_item(row: dict[str, Any], *, item_id: str, task: str) -> dict[str, Any]:
+    """An item from an HF row {"images": [PIL images], "problem" or "question", "answer"};
+    the question's own "<image>" markers are dropped (the workflow places the images)."""
+    key = "problem" if "problem" in row else "question"
+    missing = [k for k in ("images", key, "answer") if k not in row]
+    if missing:
+        raise ValueError(f"{item_id}: the row lacks {missing} (it has {sorted(row)}); rows "
+                         "need images, a problem (or question) and an answer")
+    images = row["images"] if isinstance(row["images"], list) else [row["images"]]
+    question = re.sub(r"\s*<image>\s*", " ", row[key]).strip()
+    return {"id": item_id, "task": task, "question": question,
+            "answer": str(row["answer"]).strip(), "images": images}
+
+
+def hf_image_tasks(*, size: int, seed: int, dataset: str,
+                   split: str = "train") -> list[dict[str, Any]]:
+    """The first `size` rows of the HF dataset `dataset` (`split`) as items (`seed` unused:
+    the dataset's order is fixed)."""
+    import datasets
+
+    rows = datasets.load_dataset(dataset, split=split)
+    task = dataset.rstrip("/").split("/")[-1]
+    return [hf_image_item(row, item_id=f"{task}-{split}-{i}", task=task)
+            for i, row in zip(range(size), rows)]

@@ -11,8 +11,15 @@ import pytest
 from PIL import Image
 
 from asyncrl.config.schema import DatasetConfig
-from asyncrl.data.loading import load_dataset
-from asyncrl.data.visual_tasks import COLOURS, HELD_OUT_PAIRS, generate, held_out_tasks, train_tasks
+from asyncrl.data.loading import held_out, load_dataset
+from asyncrl.data.visual_tasks import (
+    COLOURS,
+    HELD_OUT_PAIRS,
+    generate,
+    held_out_tasks,
+    hf_image_item,
+    train_tasks,
+)
 from asyncrl.rewards.registry import resolve_answer_fn, resolve_reward_fn
 from asyncrl.rewards.short_answer import short_answer_reward
 
@@ -128,3 +135,26 @@ def test_short_answer_reward_matches_after_normalisation_only():
     assert resolve_answer_fn("short_answer")("Two.") == "2"
     with pytest.raises(KeyError, match="item 'q' has no 'answer'"):
         short_answer_reward("3", {"id": "q"})
+
+
+def test_an_hf_image_row_becomes_an_item_without_its_image_marker():
+    image = Image.new("RGB", (8, 8))
+    row = {"images": [image], "problem": "<image>How many items are there?", "answer": 3}
+    item = hf_image_item(row, item_id="clevr-train-0", task="clevr")
+    assert item == {"id": "clevr-train-0", "task": "clevr", "answer": "3", "images": [image],
+                    "question": "How many items are there?"}
+    with pytest.raises(ValueError, match=r"clevr-train-1: the row lacks \['answer'\]"):
+        hf_image_item({"images": [image], "problem": "q"}, item_id="clevr-train-1", task="c")
+
+
+def test_decontamination_keeps_a_templated_question_about_another_image():
+    assert {i["question"] for i in HELD_OUT} <= {i["question"] for i in TRAIN}  # templated
+    assert held_out(HELD_OUT, TRAIN) == HELD_OUT
+    twin = {**HELD_OUT[0], "id": "copy"}  # the same question and image under another id
+    assert held_out(HELD_OUT, TRAIN + [twin]) == HELD_OUT[1:]
+    pil = {"id": "p", "question": "q", "images": [Image.new("RGB", (4, 4), (1, 2, 3))]}
+    same = {"id": "t", "question": "q", "images": [Image.new("RGB", (4, 4), (1, 2, 3))]}
+    other = {"id": "o", "question": "q", "images": [Image.new("RGB", (4, 4), (9, 2, 3))]}
+    assert held_out([pil], [other]) == [pil]
+    with pytest.raises(ValueError, match="all 1 held-out items also appear"):
+        held_out([pil], [same])
