@@ -88,7 +88,8 @@ def copy_text_weights(lm: torch.nn.Module, vlm: torch.nn.Module, src_vocab: int)
     src = lm.model.state_dict()
     missing = set(target.state_dict()) ^ set(src)
     if missing:
-        raise ValueError(f"the source decoder and Idefics3's text model differ in {sorted(missing)}")
+        raise ValueError(f"the source decoder and Idefics3's text model differ in "
+                         f"{sorted(missing)}")
     for name, tensor in target.state_dict().items():
         if name == "embed_tokens.weight":
             tensor[:src_vocab] = src[name]

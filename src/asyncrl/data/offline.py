@@ -15,9 +15,10 @@ A prompt is a string (one user turn, after `system_prompt` if set) or a list of 
 messages; an answer, chosen or rejected is a string (one assistant turn) or a list of
 messages that continue the prompt.
 
-An SFT row may hold "images" (PNG/JPEG data URLs or image files) for a vision-language
-model: as in RLVR prompts they go first in the first user turn, and the model's processor
-expands each into its image tokens and makes the pixel tensors the row trains with.
+An SFT row may hold "images" (PNG/JPEG data URLs, or image files' paths from the working
+directory) for a vision-language model: as in RLVR prompts they go first in the first
+user turn, and the model's processor expands each into its image tokens and makes the
+pixel tensors the row trains with.
 """
 
 from __future__ import annotations

@@ -10,12 +10,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokeniz
 from asyncrl.algorithms import make_sft_loss_fn
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.offline import OfflineDatasetConfig
-from asyncrl.config.schema import OptimizerConfig
+from asyncrl.config.schema import GenerationConfig, OptimizerConfig
+from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data.loading import DatasetError
 from asyncrl.data.offline import collate, load_sft_examples
 from asyncrl.data.visual_tasks import train_tasks
 from asyncrl.models.tiny_vlm import make_tiny_vlm
 from asyncrl.offline.loop import evaluate
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.trainer import FSDPTrainEngine
 
 pytestmark = pytest.mark.usefixtures("process_group")
@@ -52,6 +54,17 @@ def test_only_the_answer_is_learned_and_the_image_tokens_match_the_tiles(vlm, da
         # is (32 / 8 / 2)^2 = 4 image tokens
         assert row.images.pixel_values.shape == (5, 3, 32, 32)
         assert row.input_ids.count(image_id) == 5 * 4
+
+
+def test_an_sft_row_starts_with_the_prompt_rlvr_serves_for_the_same_item(vlm, data):
+    """GRPO after SFT samples from the prompt (tokens and pixels) SFT trained on."""
+    processor = AutoProcessor.from_pretrained(vlm)
+    workflow = RLVRWorkflow(processor.tokenizer, GenerationConfig(), None, system_prompt=SYSTEM,
+                            images=load_image_prompts(vlm))
+    for (row,), item in zip(load(vlm, data), train_tasks(size=6, seed=0)):
+        ids, images = workflow.prompt(item)
+        assert row.input_ids[:len(ids)] == ids and row.loss_mask.index(1) == len(ids)
+        assert torch.equal(row.images.pixel_values, images.pixel_values)
 
 
 def hf_sft_loss(model, batch) -> float:
@@ -103,6 +116,10 @@ def test_image_rows_need_an_image_processor_and_readable_images(vlm, data, tmp_p
     cfg = OfflineDatasetConfig(path=str(bad), format="gsm8k", bad_rows="error")
     with pytest.raises(DatasetError, match=r"bad.jsonl:1: images\[0\] holds no image"):
         load_sft_examples(cfg, tokenizer, SYSTEM, processor=processor)
+    bad.write_text(json.dumps({"question": "q", "answer": "a",
+                               "images": [str(tmp_path / "none.png")]}) + "\n")
+    with pytest.raises(DatasetError, match="none.png' is neither a data URL"):
+        load_sft_examples(cfg, tokenizer, SYSTEM, processor=processor)
     bad.write_text(json.dumps({"question": "<image> q", "answer": "a",
                                "images": [train_tasks(size=1, seed=0)[0]["images"][0]]}) + "\n")
     with pytest.raises(DatasetError, match="image placeholders '<image>' of their own"):
@@ -112,7 +129,8 @@ def test_image_rows_need_an_image_processor_and_readable_images(vlm, data, tmp_p
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_frozen_modules_stay_fixed_while_the_vision_side_learns(vlm, data, dtype):
     examples = load(vlm, data)
-    batch = collate([r for ex in examples for r in ex], AutoTokenizer.from_pretrained(vlm).pad_token_id)
+    pad = AutoTokenizer.from_pretrained(vlm).pad_token_id
+    batch = collate([r for ex in examples for r in ex], pad)
     spec = TrainEngineSpec(path=vlm, dtype=dtype, frozen_modules=("model.text_model", "lm_head"),
                            optimizer=OptimizerConfig(lr=3e-3, gradient_clipping=0.0))
     engine = FSDPTrainEngine(spec, total_steps=10)
