@@ -355,6 +355,25 @@ class Trajectory:
         return int(self.meta["start_version"])
 
 
+def image_fields(images: list[ImageInputs | None]) -> dict[str, torch.Tensor]:
+    """TensorBatch's image fields for rows with these images (None: a text-only row); an
+    empty dict if no row has any."""
+    rows = [(i, im) for i, im in enumerate(images) if im is not None]
+    if not rows:
+        return {}
+    shapes = {tuple(im.pixel_values.shape[1:]) for _, im in rows}
+    if len(shapes) > 1:
+        raise ValueError(f"rows carry image tiles of different shapes {sorted(shapes)} "
+                         "(channels, height, width): they come from different processors")
+    cat = ImageInputs.cat([im for _, im in rows])
+    return {"pixel_values": cat.pixel_values,
+            "pixel_attention_mask": cat.pixel_attention_mask if
+            cat.pixel_attention_mask is not None else torch.ones(
+                cat.n_tiles, *cat.pixel_values.shape[2:], dtype=torch.bool),
+            "image_rows": torch.cat([torch.full((im.n_tiles,), i, dtype=torch.long)
+                                     for i, im in rows])}
+
+
 _IMAGE_FIELDS = ("pixel_values", "pixel_attention_mask", "image_rows")
 
 
@@ -468,20 +487,7 @@ class Batch:
 
     def _images(self) -> dict[str, torch.Tensor]:
         """The rows' image tiles as TensorBatch's image fields (none if no row has images)."""
-        rows = [(i, t.images) for i, t in enumerate(self.trajectories) if t.images is not None]
-        if not rows:
-            return {}
-        shapes = {tuple(im.pixel_values.shape[1:]) for _, im in rows}
-        if len(shapes) > 1:
-            raise ValueError(f"trajectories carry image tiles of different shapes {sorted(shapes)}"
-                             " (channels, height, width): they come from different processors")
-        images = ImageInputs.cat([im for _, im in rows])
-        return {"pixel_values": images.pixel_values,
-                "pixel_attention_mask": images.pixel_attention_mask if
-                images.pixel_attention_mask is not None else torch.ones(
-                    images.n_tiles, *images.pixel_values.shape[2:], dtype=torch.bool),
-                "image_rows": torch.cat([torch.full((im.n_tiles,), i, dtype=torch.long)
-                                         for i, im in rows])}
+        return image_fields([t.images for t in self.trajectories])
 
     def _routes(self, width: int) -> torch.Tensor | None:
         """The rows' routed experts, right-padded with -1 (rows without any: all -1)."""

@@ -83,6 +83,8 @@ class TrainEngineSpec:
     lora_alpha: int = 16
     target_modules: tuple[str, ...] = ("all-linear",)
     peft_type: str = "lora"
+    # Parameter-name prefixes that take no gradients (SFT's `model.frozen_modules`).
+    frozen_modules: tuple[str, ...] = ()
     # Mixture of Experts (trainer/moe.py): the router load-balancing loss's coefficient (0:
     # off), and routing replay (the rollout's recorded experts instead of the router's own).
     router_aux_loss_coef: float = 0.0

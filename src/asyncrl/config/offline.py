@@ -63,9 +63,17 @@ class TrainEngineConfig:
     # decoder, not the output projection.
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     peft_type: str = "lora"  # the PEFT method; only "lora" is supported
+    # Parameter-name prefixes to keep fixed: they take no gradients and no optimiser state,
+    # and the saved folder holds them unchanged. A vision-language model's warm start may
+    # train its vision encoder and connector alone: ["model.text_model"] (a tied head is the
+    # embedding; add "lm_head" where the head is a tensor of its own).
+    frozen_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_lora_keys(self, "model")
+        _check(not (self.use_lora and self.frozen_modules),
+               "model.frozen_modules with model.use_lora: LoRA already freezes the base; drop "
+               "one of them")
 
     def engine_spec(self, *, device: str) -> TrainEngineSpec:
         """What `FSDPTrainEngine` reads of this section, its ranks on `device`."""

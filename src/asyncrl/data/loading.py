@@ -60,15 +60,25 @@ def load_dataset(cfg: DatasetConfig) -> list[dict[str, Any]]:
 
 
 def held_out(items: list[dict[str, Any]], train_items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`items` without those whose question is also a training question (decontamination)."""
-    seen = {item["question"] for item in train_items}
-    kept = [item for item in items if item["question"] not in seen]
+    """`items` without those that are also training items (decontamination): the same
+    question, and for items with images the same images too (a templated question about
+    another image is another item)."""
+    seen = {_item_key(item) for item in train_items}
+    kept = [item for item in items if _item_key(item) not in seen]
     if len(kept) < len(items):
         logger.info("held-out set: dropped %d of %d items that also appear in the training set",
                     len(items) - len(kept), len(items))
     if not kept:
         raise ValueError(f"all {len(items)} held-out items also appear in the training set")
     return kept
+
+
+def _item_key(item: dict[str, Any]) -> tuple:
+    """What makes two items the same: the question and the images (data URLs as they are,
+    PIL images by their pixels)."""
+    images = tuple(im if isinstance(im, str) else (im.mode, im.size, im.tobytes())
+                   for im in item.get("images") or ())
+    return item["question"], images
 
 
 def load_generated(spec: str, *, size: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:

@@ -14,12 +14,21 @@ Row shapes (`OfflineDatasetConfig.format`):
 A prompt is a string (one user turn, after `system_prompt` if set) or a list of chat
 messages; an answer, chosen or rejected is a string (one assistant turn) or a list of
 messages that continue the prompt.
+
+An SFT row may hold "images" (PNG/JPEG data URLs, or image files' paths from the working
+directory) for a vision-language model: as in RLVR prompts they go first in the first
+user turn, and the model's processor expands each into its image tokens and makes the
+pixel tensors the row trains with.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +36,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.api.types import TensorBatch
+from asyncrl.api.types import ImageInputs, TensorBatch, image_fields
 from asyncrl.config.offline import OfflineDatasetConfig
 from asyncrl.data.loading import DatasetError, _split_files, report_skipped
 from asyncrl.data.prompts import build_messages, encode_chat
@@ -47,6 +56,7 @@ class TokenRow:
     loss_mask: list[int]
     label: float = 0.0  # preference pairs: 1 on the chosen row, 0 on the rejected one
     ref_logprobs: torch.Tensor | None = None  # [len(input_ids)]: the reference model's
+    images: ImageInputs | None = None  # the tiles the row's image tokens stand for
 
 
 Example = list[TokenRow]
@@ -217,10 +227,14 @@ def _implicit_prompt_pair(row: dict) -> tuple[Messages, Messages, int]:
 # -- tokenising -------------------------------------------------------------------------
 
 
-def _prefix_len(tokenizer: Any, messages: Messages, full: list[int], *, generation: bool,
+# (messages, add_generation_prompt) -> their token ids
+Encode = Callable[[Messages, bool], list[int]]
+
+
+def _prefix_len(encode: Encode, messages: Messages, full: list[int], *, generation: bool,
                 upto: int) -> int:
     """Tokens of `messages` rendered alone, checked to be the start of `full`."""
-    ids = encode_chat(tokenizer, messages, add_generation_prompt=generation)
+    ids = encode(messages, generation)
     if full[:len(ids)] != ids:
         raise DatasetError(f"the chat template renders the first {upto} messages differently "
                            "alone than inside the whole conversation (it rewrites earlier "
@@ -230,20 +244,87 @@ def _prefix_len(tokenizer: Any, messages: Messages, full: list[int], *, generati
 
 def tokenize_conversation(tokenizer: Any, messages: Messages, loss_from: int = 0) -> TokenRow:
     """Chat-template tokens of `messages`, loss on the assistant turns from `loss_from` on."""
-    ids = encode_chat(tokenizer, messages, add_generation_prompt=False)
+    def encode(msgs: Messages, generation: bool) -> list[int]:
+        return encode_chat(tokenizer, msgs, add_generation_prompt=generation)
+    ids = encode(messages, False)
+    return TokenRow(input_ids=ids, loss_mask=_loss_mask(encode, messages, ids, loss_from))
+
+
+def _loss_mask(encode: Encode, messages: Messages, ids: list[int], loss_from: int) -> list[int]:
+    """1 on the tokens `ids` of `messages` that are assistant turns from `loss_from` on."""
     mask = [0] * len(ids)
     for i in range(loss_from, len(messages)):
         if messages[i]["role"] != "assistant":
             continue
         # The turn spans from the end of "everything before + generation prompt" to the end
         # of "everything up to this turn" (its end-of-turn tokens included).
-        start = _prefix_len(tokenizer, messages[:i], ids, generation=True, upto=i)
+        start = _prefix_len(encode, messages[:i], ids, generation=True, upto=i)
         end = len(ids) if i == len(messages) - 1 else _prefix_len(
-            tokenizer, messages[:i + 1], ids, generation=False, upto=i + 1)
+            encode, messages[:i + 1], ids, generation=False, upto=i + 1)
         mask[start:end] = [1] * (end - start)
     if not any(mask):
         raise DatasetError("no assistant tokens to learn after the prompt")
-    return TokenRow(input_ids=ids, loss_mask=mask)
+    return mask
+
+
+def tokenize_image_conversation(processor: Any, messages: Messages, images: list[Any],
+                                loss_from: int = 0) -> TokenRow:
+    """`tokenize_conversation` for a vision-language model: `images` (PIL) go first in the
+    first user turn, and `processor` (the model's, e.g. Idefics3's) expands each into its
+    image tokens; the row carries their tiles."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None or first_user >= loss_from:
+        raise DatasetError("a row with images needs a user turn before the learned turns "
+                           "to hold them")
+    placeholder = processor.image_token
+    messages = [dict(m) for m in messages]
+    messages[first_user]["content"] = placeholder * len(images) + \
+        messages[first_user]["content"]
+    found = sum(m["content"].count(placeholder) for m in messages)
+    if found != len(images):
+        raise DatasetError(f"the messages hold {found - len(images)} image placeholders "
+                           f"{placeholder!r} of their own: remove them from the text (the "
+                           "row's images are placed for it)")
+
+    def features(msgs: Messages, generation: bool) -> Any:
+        text = processor.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                       add_generation_prompt=generation)
+        return processor(text=text, images=images, add_special_tokens=False,
+                         return_tensors="pt")
+
+    def encode(msgs: Messages, generation: bool) -> list[int]:
+        return features(msgs, generation)["input_ids"][0].tolist()
+
+    full = features(messages, False)
+    ids = full["input_ids"][0].tolist()
+    return TokenRow(input_ids=ids, loss_mask=_loss_mask(encode, messages, ids, loss_from),
+                    images=ImageInputs.from_processor(full))
+
+
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,(.*)", re.DOTALL)
+
+
+def load_image(value: Any, where: str) -> Any:
+    """The RGB PIL image of a data URL or an image file; DatasetError naming `where` else."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(value, str):
+        raise DatasetError(f"{where} must be a string: a data URL (data:image/png;base64,...) "
+                           f"or an image file's path, got {type(value).__name__}")
+    match = _DATA_URL.fullmatch(value)
+    try:
+        source = io.BytesIO(base64.b64decode(match.group(1), validate=True)) if match \
+            else Path(value).expanduser()
+        image = Image.open(source)
+        image.load()
+    except binascii.Error as e:
+        raise DatasetError(f"{where}: the data URL is not valid base64 ({e})") from None
+    except FileNotFoundError:
+        raise DatasetError(f"{where}: {value!r:.80} is neither a data URL "
+                           "(data:image/png;base64,...) nor an existing image file") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise DatasetError(f"{where} holds no image Pillow can read: {e}") from None
+    return image.convert("RGB")
 
 
 def last_token_row(tokenizer: Any, messages: Messages, loss_from: int = 0) -> TokenRow:
@@ -291,11 +372,22 @@ def _drop_long(examples: list[Example], max_length: int | None, path: str) -> li
 
 
 def load_sft_examples(cfg: OfflineDatasetConfig, tokenizer: Any,
-                      system_prompt: str | None = None) -> list[Example]:
-    """One-row examples of an SFT dataset (loss on the answer / assistant tokens)."""
+                      system_prompt: str | None = None, *,
+                      processor: Any = None) -> list[Example]:
+    """One-row examples of an SFT dataset (loss on the answer / assistant tokens).
+    `processor`: a vision-language model's, for rows with "images"."""
     def parse(row: dict) -> Example:
         messages, loss_from = sft_conversation(row, cfg.format, system_prompt)
-        return [tokenize_conversation(tokenizer, messages, loss_from)]
+        if row.get("images") is None:
+            return [tokenize_conversation(tokenizer, messages, loss_from)]
+        if processor is None:
+            raise DatasetError("the row has 'images' but the model reads text only (its folder "
+                               "has no image processor); train a vision-language model or "
+                               "drop the rows' images")
+        if not isinstance(row["images"], list) or not row["images"]:
+            raise DatasetError(f"'images' must be a non-empty list, got {row['images']!r:.80}")
+        images = [load_image(v, f"images[{i}]") for i, v in enumerate(row["images"])]
+        return [tokenize_image_conversation(processor, messages, images, loss_from)]
     return _load(cfg, parse)
 
 
@@ -316,7 +408,8 @@ def load_preference_examples(cfg: OfflineDatasetConfig, tokenizer: Any,
 
 
 def collate(rows: list[TokenRow], pad_token_id: int) -> TensorBatch:
-    """Right-padded tensors of `rows`; `rewards` holds the labels, `ref_logprobs` if known."""
+    """Right-padded tensors of `rows`; `rewards` holds the labels, `ref_logprobs` if known,
+    and the image fields the rows' tiles."""
     if not rows:
         raise ValueError("cannot collate an empty list of rows")
     n, width = len(rows), max(len(r.input_ids) for r in rows)
@@ -339,4 +432,4 @@ def collate(rows: list[TokenRow], pad_token_id: int) -> TensorBatch:
                        behavior_logprobs=torch.zeros((n, width)),
                        versions=torch.full((n, width), -1, dtype=torch.long),
                        rewards=torch.tensor([r.label for r in rows], dtype=torch.float32),
-                       ref_logprobs=ref)
+                       ref_logprobs=ref, **image_fields([r.images for r in rows]))

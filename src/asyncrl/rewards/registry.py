@@ -15,6 +15,8 @@ BUILTIN_REWARDS = {
     "reasoning_gym": "asyncrl.rewards.rgym:reasoning_gym_reward",
     # the share of an item's tests the completion's program passes, in the sandbox
     "code": "asyncrl.agents.code_reward:code_reward",
+    # a word, number or yes/no, matched exactly after normalisation (the visual task's)
+    "short_answer": "asyncrl.rewards.short_answer:short_answer_reward",
 }
 
 # The function that reads the final answer from a completion, per built-in reward, as the
@@ -22,6 +24,7 @@ BUILTIN_REWARDS = {
 BUILTIN_ANSWER_FNS = {
     "gsm8k": "asyncrl.rewards.gsm8k:extract_final_answer",
     "reasoning_gym": "asyncrl.rewards.rgym:extract_tagged_answer",
+    "short_answer": "asyncrl.rewards.short_answer:normalize_short_answer",
 }
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -218,6 +218,20 @@ def _own_memory(model: nn.Module) -> None:
             param.data = param.data.clone()
 
 
+def freeze(model: nn.Module, prefixes: Sequence[str]) -> None:
+    """Parameters whose names start with one of `prefixes` take no gradients (and no
+    optimiser state); a prefix that names no parameter is refused, naming some that exist."""
+    names = [name for name, _ in model.named_parameters()]
+    for prefix in prefixes:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            tops = sorted({".".join(n.split(".")[:3]) for n in names})
+            raise ValueError(f"frozen_modules: {prefix!r} names no parameter of the model; "
+                             f"its modules include {tops[:12]}")
+    for name, p in model.named_parameters():
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes):
+            p.requires_grad_(False)
+
+
 def _check_no_dropout(config: Any) -> None:
     """Refuse a model with dropout: its log-probs must be the inference engine's function."""
     for name, value in vars(config).items():
@@ -349,6 +363,7 @@ class FSDPTrainEngine:
         path = self._base_path = resolve_model_path(self.spec.path)
         hf_model = self._load_hf_model(path)
         _check_no_dropout(hf_model.config)
+        freeze(hf_model, self.spec.frozen_modules)
         if self.layout.expert_parallel:
             experts.check_model(hf_model, self.layout.expert)  # refused before any other set-up
         if self.spec.use_lora:  # before the CPU paths, which then patch the adapters' layers too

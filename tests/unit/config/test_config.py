@@ -93,8 +93,11 @@ def test_missing_dataset_path_is_explained(tmp_path):
     ids=lambda p: p.name)
 def test_every_shipped_config_loads(path, monkeypatch):
     monkeypatch.setenv("ASYNCRL_ADMIN_KEY", "admin-key-for-the-test")  # online examples
-    # examples/<trainer>/ for the offline trainers (sft, dpo, rm); RL configs elsewhere.
-    schema = TRAINER_SCHEMAS.get(path.parent.name, ExperimentConfig)
+    # examples/<trainer>/ or a name with _<trainer>_ (examples/vlm/shapes_sft_cpu.yaml) for
+    # the offline trainers (sft, dpo, rm); RL configs otherwise.
+    schema = TRAINER_SCHEMAS.get(path.parent.name) or next(
+        (s for name, s in TRAINER_SCHEMAS.items() if f"_{name}_" in f"_{path.stem}_"),
+        ExperimentConfig)
     cfg = load_config(path, schema=schema)
     assert cfg.train_dataset.path or cfg.online
 

@@ -1,0 +1,177 @@
+"""Generated visual questions: coloured shapes on a small canvas, short exact answers.
+
+A scene is one to four shapes (square, circle, triangle), each red, green, blue or yellow,
+drawn with Pillow without anti-aliasing on a white canvas, one shape per cell of a 3 x 3
+grid (shapes never touch, so each is one connected region of its colour). A question asks
+for a count ("How many red shapes are there?"), the colour of the only shape of a kind
+("What colour is the circle?") or whether a shape is there ("Is there a blue square?"), and
+the answer is a digit, a colour or yes/no.
+
+The two splits differ in what they show, as CLEVR's CoGenT split does: three
+(shape, colour) pairs (`HELD_OUT_PAIRS`, one per shape and colour) never appear in a
+`train` scene, and every `held_out` scene holds at least one of them, so no image is in
+both and the held-out score measures transfer to unseen combinations of known parts.
+
+An item carries its image as a PNG data URL in `images` (what the RLVR workflow and the
+SFT rows take) and the scene in `metadata`; the same (size, seed, split) gives the same
+items. `train_tasks` and `held_out_tasks` are dataset generators
+(`train_dataset.path: python:asyncrl.data.visual_tasks:train_tasks`).
+
+`hf_image_tasks` maps an HF image-question dataset (CLEVR counting, Geometry3K: rows of
+"images", "problem" and "answer") to the same item shape, for the GPU examples.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+SPLITS = ("train", "held_out")
+SHAPES = ("square", "circle", "triangle")
+# Saturated and far apart, so a pixel's colour names its shape's colour exactly.
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220),
+           "yellow": (235, 200, 20)}
+BACKGROUND = (255, 255, 255)
+HELD_OUT_PAIRS = frozenset({("circle", "green"), ("square", "yellow"), ("triangle", "blue")})
+GRID = 3  # cells per side; one shape per cell
+MAX_SHAPES = 4
+MIN_CANVAS = 48  # a cell must hold a shape of at least 8 pixels with a margin
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str    # one of SHAPES
+    colour: str  # one of COLOURS
+    box: tuple[int, int, int, int]  # left, top, right, bottom (inclusive), in pixels
+
+
+def _scene(rng: random.Random, split: str, canvas: int) -> list[Shape]:
+    """Shapes in distinct cells; `held_out` scenes hold a held-out pair, `train` ones none."""
+    while True:
+        n = rng.randint(1, MAX_SHAPES)
+        pairs = [(rng.choice(SHAPES), rng.choice(tuple(COLOURS))) for _ in range(n)]
+        held = sum(p in HELD_OUT_PAIRS for p in pairs)
+        if (held > 0) == (split == "held_out"):
+            break
+    cell = canvas // GRID
+    shapes = []
+    for (kind, colour), index in zip(pairs, rng.sample(range(GRID * GRID), n)):
+        side = rng.randint(cell // 2, cell - 4)  # a margin of at least 2 pixels to the cell
+        left = (index % GRID) * cell + rng.randint(2, cell - side - 2)
+        top = (index // GRID) * cell + rng.randint(2, cell - side - 2)
+        shapes.append(Shape(kind, colour, (left, top, left + side - 1, top + side - 1)))
+    return shapes
+
+
+def render(shapes: list[Shape], canvas: int) -> Any:
+    """The scene as an RGB PIL image of `canvas` x `canvas` pixels."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (canvas, canvas), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for s in shapes:
+        fill = COLOURS[s.colour]
+        left, top, right, bottom = s.box
+        if s.kind == "square":
+            draw.rectangle(s.box, fill=fill)
+        elif s.kind == "circle":
+            draw.ellipse(s.box, fill=fill)
+        else:  # apex up, base along the bottom
+            draw.polygon([((left + right) / 2, top), (left, bottom), (right, bottom)], fill=fill)
+    return image
+
+
+def _question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str]:
+    """A question about `shapes` and its answer."""
+    kinds = [s.kind for s in shapes]
+    unique = [k for k in SHAPES if kinds.count(k) == 1]
+    families = ["count", "count_colour", "count_kind", "exists"] + ["colour_of"] * bool(unique)
+    family = rng.choice(families)
+    if family == "count":
+        return "How many shapes are there?", str(len(shapes))
+    if family == "count_colour":
+        colour = rng.choice(tuple(COLOURS))
+        return (f"How many {colour} shapes are there?",
+                str(sum(s.colour == colour for s in shapes)))
+    if family == "count_kind":
+        kind = rng.choice(SHAPES)
+        return f"How many {kind}s are there?", str(kinds.count(kind))
+    if family == "colour_of":
+        kind = rng.choice(unique)
+        return f"What colour is the {kind}?", next(s.colour for s in shapes if s.kind == kind)
+    # exists: half the time about a pair in the scene, so "yes" is as common as "no"
+    kind, colour = rng.choice([(s.kind, s.colour) for s in shapes]) if rng.random() < 0.5 \
+        else (rng.choice(SHAPES), rng.choice(tuple(COLOURS)))
+    there = any((s.kind, s.colour) == (kind, colour) for s in shapes)
+    return f"Is there a {colour} {kind}?", "yes" if there else "no"
+
+
+def data_url(image: Any) -> str:
+    """`image` as a PNG data URL."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def generate(*, size: int, seed: int, split: str = "train",
+             canvas: int = 64) -> list[dict[str, Any]]:
+    """`size` items of `split`, the same for the same arguments."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+    if canvas < MIN_CANVAS:
+        raise ValueError(f"canvas={canvas} pixels is too small for a {GRID} x {GRID} grid of "
+                         f"shapes; use canvas >= {MIN_CANVAS}")
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    rng = random.Random(f"visual-shapes/{split}/{seed}")  # the splits draw apart
+    items = []
+    for i in range(size):
+        shapes = _scene(rng, split, canvas)
+        question, answer = _question(rng, shapes)
+        items.append({
+            "id": f"shapes-{split}-s{seed}-{i}", "task": "visual_shapes",
+            "question": question, "answer": answer,
+            "images": [data_url(render(shapes, canvas))],
+            "metadata": {"shapes": [[s.kind, s.colour, *s.box] for s in shapes]},
+        })
+    return items
+
+
+def train_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any]]:
+    """Training items: scenes without the held-out (shape, colour) pairs."""
+    return generate(size=size, seed=seed, split="train", canvas=canvas)
+
+
+def held_out_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any]]:
+    """Held-out items: every scene holds a held-out (shape, colour) pair."""
+    return generate(size=size, seed=seed, split="held_out", canvas=canvas)
+
+
+def hf_image_item(row: dict[str, Any], *, item_id: str, task: str) -> dict[str, Any]:
+    """An item from an HF row {"images": [PIL images], "problem" or "question", "answer"};
+    the question's own "<image>" markers are dropped (the workflow places the images)."""
+    key = "problem" if "problem" in row else "question"
+    missing = [k for k in ("images", key, "answer") if k not in row]
+    if missing:
+        raise ValueError(f"{item_id}: the row lacks {missing} (it has {sorted(row)}); rows "
+                         "need images, a problem (or question) and an answer")
+    images = row["images"] if isinstance(row["images"], list) else [row["images"]]
+    question = re.sub(r"\s*<image>\s*", " ", row[key]).strip()
+    return {"id": item_id, "task": task, "question": question,
+            "answer": str(row["answer"]).strip(), "images": images}
+
+
+def hf_image_tasks(*, size: int, seed: int, dataset: str,
+                   split: str = "train") -> list[dict[str, Any]]:
+    """The first `size` rows of the HF dataset `dataset` (`split`) as items (`seed` unused:
+    the dataset's order is fixed)."""
+    import datasets
+
+    rows = datasets.load_dataset(dataset, split=split)
+    task = dataset.rstrip("/").split("/")[-1]
+    return [hf_image_item(row, item_id=f"{task}-{split}-{i}", task=task)
+            for i, row in zip(range(size), rows)]

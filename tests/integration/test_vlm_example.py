@@ -1,0 +1,81 @@
+"""The VLM examples: on a tiny SmolVLM-shaped model built by build_model.py, the SFT
+recipe trains the vision side alone, and GRPO from its folder runs two steps whose first
+trainer log-probs equal the server's; the GPU sibling builds its workflow."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncrl.config import load_config
+from asyncrl.config.offline import SFTConfig
+from asyncrl.controller.rl import train
+from asyncrl.data.visual_tasks import generate, hf_image_tasks
+from asyncrl.models.tiny import make_tiny_model
+from asyncrl.observe import read_stats
+from asyncrl.offline import sft
+from asyncrl.rewards.registry import resolve_reward_fn
+
+pytestmark = pytest.mark.integration
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "vlm"
+spec = importlib.util.spec_from_file_location("build_model", EXAMPLES / "build_model.py")
+build_model = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build_model)
+QUIET = ["stats_logger.progress_bar=false", "stats_logger.plot=false"]
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    return {k: v for f in Path(folder).glob("*.safetensors") for k, v in load_file(f).items()}
+
+
+@pytest.mark.slow  # about a minute on a loaded 2-core machine
+def test_sft_then_grpo_from_its_folder_with_server_and_trainer_logprobs_equal(tmp_path):
+    vlm = build_model.build(make_tiny_model(tmp_path / "lm"), tmp_path / "vlm", image_size=32,
+                            patch=8, vision_hidden=32, vision_layers=1, vision_heads=2)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, size in (("train", 8), ("held_out", 4)):
+        with open(data / f"{split}.jsonl", "w") as f:
+            for item in generate(size=size, seed=0, split=split):
+                f.write(json.dumps(item) + "\n")
+    cfg = load_config(EXAMPLES / "shapes_sft_cpu.yaml", [
+        f"cluster.fileroot={tmp_path / 'runs'}", f"model.path={vlm}", "model.dtype=float32",
+        f"train_dataset.path={data}", f"valid_dataset.path={data}", "train_dataset.batch_size=4",
+        "total_train_steps=3", "evaluator.freq_steps=null", *QUIET], schema=SFTConfig)
+    summary = sft.train(cfg)
+    assert summary["eval_after"]["loss"] != summary["eval_before"]["loss"]
+    before, after = weights(vlm), weights(summary["model_dir"])
+    assert before.keys() == after.keys()
+    for name in before:  # the text model kept, the vision encoder and connector trained
+        assert torch.equal(before[name], after[name]) == name.startswith("model.text_model."), name
+
+    cfg = load_config(EXAMPLES / "shapes_grpo_cpu.yaml", [
+        f"cluster.fileroot={tmp_path / 'runs'}", f"actor.path={summary['model_dir']}",
+        "actor.dtype=float32", "local_engine.dtype=float32", "local_engine.max_batch_size=16",
+        "gconfig.max_new_tokens=4", "train_dataset.size=16", "train_dataset.batch_size=2",
+        "valid_dataset.size=2", "total_train_steps=2", "rollout.max_head_offpolicyness=0",
+        "scheduler.inference_threads=1", "scheduler.trainer_threads=1", *QUIET])
+    run = Path(train(cfg)["run_dir"])
+    rows = read_stats(run / "stats.jsonl")
+    # the held-out evaluation before training runs beside the first steps
+    assert sorted(r["kind"] for r in rows) == ["eval", "eval", "train", "train"]
+    first = min((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
+    # exp(trainer's - server's log-prob) on every sampled token of the first step
+    assert abs(first["train/imp_weight_max"] - 1) < 1e-4
+    assert abs(first["train/imp_weight_min"] - 1) < 1e-4
+    batches = [json.loads(line) for line in (run / "batches.jsonl").open()]
+    assert [len(b["rewards"]) for b in batches] == [8, 8]  # 2 prompts x 4 samples
+    assert all(r in (0.0, 1.0) for b in batches for r in b["rewards"])
+
+
+def test_the_gpu_sibling_names_an_hf_image_dataset_and_a_known_reward():
+    cfg = load_config(EXAMPLES / "qwen2_5_vl_clevr_grpo.yaml")
+    assert callable(resolve_reward_fn(cfg.workflow.reward_fn))
+    assert cfg.actor.shared_prefix is False
+    for dataset in (cfg.train_dataset, cfg.valid_dataset):
+        assert dataset.path == "python:asyncrl.data.visual_tasks:hf_image_tasks"
+        assert dataset.task_kwargs["dataset"] == "BUAADreamer/clevr_count_70k"
+        assert callable(hf_image_tasks)

@@ -1,0 +1,169 @@
+"""The generated visual task: the pixels hold what the answer says (read back by flood
+fill, not from the generator's scene), the splits share no image, and the reward by hand."""
+
+import base64
+import functools
+import io
+import re
+from collections import deque
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from asyncrl.config.schema import DatasetConfig
+from asyncrl.data.loading import held_out, load_dataset
+from asyncrl.data.visual_tasks import (
+    COLOURS,
+    HELD_OUT_PAIRS,
+    generate,
+    held_out_tasks,
+    hf_image_item,
+    train_tasks,
+)
+from asyncrl.rewards.registry import resolve_answer_fn, resolve_reward_fn
+from asyncrl.rewards.short_answer import short_answer_reward
+
+TRAIN = train_tasks(size=200, seed=0)
+HELD_OUT = held_out_tasks(size=100, seed=0)
+
+
+def pixels(item) -> np.ndarray:
+    data = item["images"][0].removeprefix("data:image/png;base64,")
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+
+
+@functools.cache
+def item_regions(item_id: str) -> list[tuple[str, str]]:
+    """`regions` of a TRAIN or HELD_OUT item's image, read once."""
+    (item,) = [i for i in TRAIN + HELD_OUT if i["id"] == item_id]
+    return regions(pixels(item))
+
+
+def regions(image: np.ndarray) -> list[tuple[str, str]]:
+    """(colour, kind) of each 4-connected region of one shape colour. The kind is read from
+    how much of its bounding box the region fills: a square all of it, a circle pi/4
+    (0.785), a triangle half."""
+    names = {rgb: name for name, rgb in COLOURS.items()}
+    h, w, _ = image.shape
+    seen = np.zeros((h, w), dtype=bool)
+    found = []
+    for y in range(h):
+        for x in range(w):
+            rgb = tuple(int(v) for v in image[y, x])
+            if seen[y, x] or rgb not in names:
+                continue
+            queue, cells = deque([(y, x)]), []
+            seen[y, x] = True
+            while queue:
+                cy, cx = queue.popleft()
+                cells.append((cy, cx))
+                for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                    if 0 <= ny < h and 0 <= nx < w and not seen[ny, nx] \
+                            and tuple(int(v) for v in image[ny, nx]) == rgb:
+                        seen[ny, nx] = True
+                        queue.append((ny, nx))
+            ys, xs = zip(*cells)
+            fill = len(cells) / ((max(ys) - min(ys) + 1) * (max(xs) - min(xs) + 1))
+            kind = "square" if fill > 0.95 else "circle" if fill > 0.65 else "triangle"
+            found.append((names[rgb], kind))
+    return found
+
+
+def answer_from_pixels(question: str, found: list[tuple[str, str]]) -> str:
+    if question == "How many shapes are there?":
+        return str(len(found))
+    if m := re.fullmatch(r"How many (\w+) shapes are there\?", question):
+        return str(sum(c == m[1] for c, _ in found))
+    if m := re.fullmatch(r"How many (\w+)s are there\?", question):
+        return str(sum(k == m[1] for _, k in found))
+    if m := re.fullmatch(r"What colour is the (\w+)\?", question):
+        (colour,) = [c for c, k in found if k == m[1]]  # exactly one such shape
+        return colour
+    m = re.fullmatch(r"Is there a (\w+) (\w+)\?", question)
+    return "yes" if (m[1], m[2]) in found else "no"
+
+
+def test_the_pixels_hold_what_each_answer_says():
+    for item in TRAIN + HELD_OUT:
+        image = pixels(item)
+        assert image.shape == (64, 64, 3)
+        # only the background and the four shape colours: no anti-aliased edge colours
+        assert {tuple(int(v) for v in p) for p in image.reshape(-1, 3)} <= \
+            {(255, 255, 255), *COLOURS.values()}
+        found = item_regions(item["id"])
+        assert answer_from_pixels(item["question"], found) == item["answer"], item["id"]
+
+
+def test_every_question_family_and_answer_kind_appears():
+    answers = {item["answer"] for item in TRAIN}
+    assert {"1", "2", "3", "4", "yes", "no", "red", "green", "blue", "yellow"} <= answers
+    starts = {item["question"].split()[0] for item in TRAIN}
+    assert starts == {"How", "What", "Is"}
+
+
+def test_held_out_scenes_each_hold_a_held_out_pair_and_training_scenes_none():
+    for item in TRAIN:
+        assert not set(item_regions(item["id"])) & {(c, k) for k, c in HELD_OUT_PAIRS}
+    for item in HELD_OUT:
+        assert set(item_regions(item["id"])) & {(c, k) for k, c in HELD_OUT_PAIRS}
+    assert not {i["images"][0] for i in TRAIN} & {i["images"][0] for i in HELD_OUT}
+    assert not {i["id"] for i in TRAIN} & {i["id"] for i in HELD_OUT}
+
+
+def test_the_same_seed_gives_the_same_items_and_another_seed_others():
+    assert train_tasks(size=200, seed=0) == TRAIN
+    assert [i["images"] for i in train_tasks(size=50, seed=1)] != [i["images"] for i in TRAIN[:50]]
+
+
+def test_a_config_loads_the_items_by_name_with_the_canvas_as_a_task_kwarg():
+    cfg = DatasetConfig(path="python:asyncrl.data.visual_tasks:held_out_tasks", size=5, seed=3,
+                        task_kwargs={"canvas": 96})
+    items = load_dataset(cfg)
+    assert items == held_out_tasks(size=5, seed=3, canvas=96)
+    assert pixels(items[0]).shape == (96, 96, 3)
+
+
+def test_bad_arguments_name_what_to_change():
+    with pytest.raises(ValueError, match="split 'test' is not one of"):
+        generate(size=1, seed=0, split="test")
+    with pytest.raises(ValueError, match="canvas >= 48"):
+        generate(size=1, seed=0, canvas=32)
+
+
+def test_short_answer_reward_matches_after_normalisation_only():
+    item = {"id": "q", "answer": "3"}
+    assert short_answer_reward("3", item) == 1.0
+    assert short_answer_reward(" Three.\n", item) == 1.0
+    assert short_answer_reward("3 shapes", item) == 0.0
+    assert short_answer_reward("4", item) == 0.0
+    assert short_answer_reward("Yellow!", {"answer": "yellow"}) == 1.0
+    assert short_answer_reward("\"yes\"", {"answer": "yes"}) == 1.0
+    assert short_answer_reward("no", {"answer": "yes"}) == 0.0
+    assert resolve_reward_fn("short_answer") is short_answer_reward
+    assert resolve_answer_fn("short_answer")("Two.") == "2"
+    with pytest.raises(KeyError, match="item 'q' has no 'answer'"):
+        short_answer_reward("3", {"id": "q"})
+
+
+def test_an_hf_image_row_becomes_an_item_without_its_image_marker():
+    image = Image.new("RGB", (8, 8))
+    row = {"images": [image], "problem": "<image>How many items are there?", "answer": 3}
+    item = hf_image_item(row, item_id="clevr-train-0", task="clevr")
+    assert item == {"id": "clevr-train-0", "task": "clevr", "answer": "3", "images": [image],
+                    "question": "How many items are there?"}
+    with pytest.raises(ValueError, match=r"clevr-train-1: the row lacks \['answer'\]"):
+        hf_image_item({"images": [image], "problem": "q"}, item_id="clevr-train-1", task="c")
+
+
+def test_decontamination_keeps_a_templated_question_about_another_image():
+    assert {i["question"] for i in HELD_OUT} <= {i["question"] for i in TRAIN}  # templated
+    assert held_out(HELD_OUT, TRAIN) == HELD_OUT
+    twin = {**HELD_OUT[0], "id": "copy"}  # the same question and image under another id
+    assert held_out(HELD_OUT, TRAIN + [twin]) == HELD_OUT[1:]
+    pil = {"id": "p", "question": "q", "images": [Image.new("RGB", (4, 4), (1, 2, 3))]}
+    same = {"id": "t", "question": "q", "images": [Image.new("RGB", (4, 4), (1, 2, 3))]}
+    other = {"id": "o", "question": "q", "images": [Image.new("RGB", (4, 4), (9, 2, 3))]}
+    assert held_out([pil], [other]) == [pil]
+    with pytest.raises(ValueError, match="all 1 held-out items also appear"):
+        held_out([pil], [same])
