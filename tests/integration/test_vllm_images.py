@@ -8,11 +8,14 @@ file order: the weight version only ever goes up.
 
 import asyncio
 import shutil
+import threading
+import time
+from collections import Counter
 
 import pytest
 import torch
 from PIL import Image
-from vllm_util import needs_vllm
+from vllm_util import generated_tokens, needs_vllm
 
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.api.types import ImageInputs
@@ -47,7 +50,8 @@ def vision_changed(src: str, dst, seed: int) -> str:
 def vllm_vlm(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_vlm")
     v0 = make_tiny_vlm(root / "v0", seed=0)
-    models = {0: v0, 1: vision_changed(v0, root / "v1", seed=1)}
+    models = {0: v0, 1: vision_changed(v0, root / "v1", seed=1),
+              2: vision_changed(v0, root / "v2", seed=2)}
     sched = SchedulerConfig(inference_threads=1, trainer_threads=1, startup_timeout=300)
     engine_cfg = LocalEngineConfig(dtype="float32", max_batch_size=4, max_seq_len=2048)
     with LocalScheduler(sched, root / "logs") as scheduler:
@@ -118,3 +122,31 @@ def test_weight_update_reaches_the_vision_tower(vllm_vlm):
     # the two models differ only in their vision side, and that moves these log-probs
     old = hf_logprobs(models[0], ids, r.output_ids, images)
     assert (got - old).abs().max() > 0.05
+
+
+def test_generation_with_an_image_spans_a_weight_update_mid_flight(vllm_vlm):
+    client, models = vllm_vlm
+    ids, images = image_prompt(models[0])
+    n, result = 300, {}
+    t = threading.Thread(target=lambda: result.update(r=generate(client, ids, images, n=n)))
+    before = generated_tokens(client.addresses[0])
+    t.start()
+    # Update once decoding is well under way, however loaded the machine is.
+    deadline = time.monotonic() + 120
+    while generated_tokens(client.addresses[0]) < before + 30 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "r" not in result, "the generation finished before the update: make it longer"
+    asyncio.run(client.update_weights_from_disk(models[2], 2))
+    t.join(600)
+    assert not t.is_alive(), "the generation did not finish within 600 s of the update"
+    r = result["r"]
+    n_old = Counter(r.output_versions)[1]
+    assert len(r.output_ids) == n and 0 < n_old < n
+    assert r.output_versions == [1] * n_old + [2] * (n - n_old)
+    # the resubmitted piece carried the image: each piece matches HF with the pixels, under
+    # the weights that sampled it
+    got = torch.tensor(r.output_logprobs)
+    old = hf_logprobs(models[1], ids, r.output_ids[:n_old], images)
+    new = hf_logprobs(models[2], ids, r.output_ids, images)[n_old:]
+    assert (got[:n_old] - old).abs().max() < LOGPROB_TOL
+    assert (got[n_old:] - new).abs().max() < LOGPROB_TOL

@@ -78,7 +78,6 @@ class VLLMClient(ResubmittingClient):
     """Routes generations to vLLM servers; a weight update aborts, reloads and resubmits."""
 
     backend = "vllm"
-
     serves_images = True  # Idefics3-like models, through /inference/v1/generate
 
     def __init__(self, addresses: list[str], **kwargs) -> None:
