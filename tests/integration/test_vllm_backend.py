@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 import pytest
-from vllm_util import hf_greedy, hf_logprobs, needs_vllm
+from vllm_util import generated_tokens, hf_greedy, hf_logprobs, needs_vllm
 
 from asyncrl.api import GenerationRequest, SamplingParams
 from asyncrl.config import LocalEngineConfig
@@ -44,16 +44,6 @@ def vllm_server(tmp_path_factory):
             yield client, models
         finally:
             asyncio.run(client.close())
-
-
-def _generated_tokens(address: str) -> float:
-    """vLLM's count of generated tokens so far, from its Prometheus /metrics."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("vllm:generation_tokens_total"))
 
 
 def _generate(client, prompt, **sampling):
@@ -92,12 +82,12 @@ def test_generation_spans_a_weight_update_mid_flight(vllm_server):
         result["r"] = _generate(client, PROMPT, temperature=1.0, max_new_tokens=700,
                                 ignore_eos=True)
 
-    before = _generated_tokens(client.addresses[0])
+    before = generated_tokens(client.addresses[0])
     t = threading.Thread(target=long_generation)
     t.start()
     # Update once decoding is well under way, however loaded the machine is.
     deadline = time.monotonic() + 120
-    while _generated_tokens(client.addresses[0]) < before + 50 and time.monotonic() < deadline:
+    while generated_tokens(client.addresses[0]) < before + 50 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "r" not in result, "the generation finished before the update: make it longer"
     asyncio.run(client.update_weights_from_disk(models[2], 2))

@@ -32,3 +32,13 @@ def hf_greedy(model_path: str, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def generated_tokens(address: str) -> float:
+    """vLLM's count of generated tokens so far, from its Prometheus /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("vllm:generation_tokens_total"))

@@ -78,7 +78,9 @@ def server_argv(backend: str, model_path: str, host: str, port: str, *, dtype: s
                 "--logprobs-mode", "processed_logprobs",
                 # reload_weights that keeps tied embeddings tied (inference/client/vllm_worker.py)
                 "--worker-extension-cls",
-                "asyncrl.inference.client.vllm_worker.WeightSyncExtension"]
+                "asyncrl.inference.client.vllm_worker.WeightSyncExtension",
+                # /inference/v1/generate: token ids plus processed images (client/vllm.py)
+                "--enable-scale-out"]
         if device == "cpu":
             # Eager mode starts fast; the KV cache is given in GB on CPU (VLLM_CPU_KVCACHE_SPACE).
             argv += ["--enforce-eager", "--gpu-memory-utilization", "0.3"]

@@ -21,6 +21,7 @@ def test_vllm_on_cpu_gets_eager_mode_dev_endpoints_and_processed_logprobs():
     assert "--no-enable-chunked-prefill" in argv
     assert argv[argv.index("--worker-extension-cls") + 1] == (
         "asyncrl.inference.client.vllm_worker.WeightSyncExtension")
+    assert "--enable-scale-out" in argv  # /inference/v1/generate: prompts with images
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_NO_USAGE_STATS"] == "1"  # no traffic off the machine
     assert env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -108,7 +108,7 @@ class HTTPInferenceClient:
 
     backend = "base"
     health_path = "/health"
-    serves_images = False  # whether requests' images reach the servers (our own: local)
+    serves_images = False  # whether requests' images reach the servers (local, vllm)
 
     def __init__(self, addresses: list[str], *, request_timeout: float = 3600.0,
                  request_retries: int = 3, update_weights_timeout: float = 300.0,

@@ -19,6 +19,15 @@ Endpoints used (shapes from SGLang's http_server.py and io_struct.py):
   array of shape [input + output tokens - 1, MoE layers, top_k] (C order): the experts each
   layer chose for every token the server ran, the last sampled token excepted (SGLang PR
   #12162: tokenizer_manager.py encodes the tensor's bytes; its docs give the shape).
+- A prompt with images: /generate also gets "image_data": [{"format": "processor_output",
+  "pixel_values", "pixel_attention_mask"}], the image part of the HF processor's output
+  for the prompt (batch of one, as the processor returns it; tensors as nested JSON
+  lists), beside the prompt's "input_ids" as our processor made them. This is SGLang's
+  documented input for processed images ("Processor Output" in its VLM query guide): its
+  processor then takes the tensors as they are and finds the image tokens in the ids
+  instead of expanding a placeholder. The body is tested here, not a live server (SGLang
+  does not run on these CPUs); the served model needs an SGLang multimodal processor
+  that takes processor_output items.
 - GET /model_info -> {"weight_version", ...}; GET /health. SGLang 0.5.6 added /model_info
   and deprecated /get_model_info (it logs a warning per call); servers up to 0.5.5 have only
   /get_model_info, which the client then asks instead (after one 404 per server).
@@ -42,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.api.types import GenerationRequest, StopReason, piece_seed
+from asyncrl.api.types import GenerationRequest, ImageInputs, StopReason, piece_seed
 from asyncrl.inference.client.base import (
     InferenceServerError,
     ServerStatusError,
@@ -61,6 +70,7 @@ class SGLangClient(ResubmittingClient):
     """Routes generations to SGLang servers; a weight update aborts, reloads and resubmits."""
 
     backend = "sglang"
+    serves_images = True  # as processor output beside the token ids (module doc)
 
     def __init__(self, addresses: list[str], *, moe_routes: tuple[int, int] | None = None,
                  **kwargs) -> None:
@@ -189,11 +199,12 @@ def generate_body(req: GenerationRequest, done_ids: list[int],
                   adapter: str | None = None, routes: bool = False) -> dict[str, Any]:
     """The /generate request continuing `req` after the `done_ids` already sampled, under
     the LoRA adapter named `adapter` (None: the base model), asking for the routed experts
-    if `routes`."""
+    if `routes`; a prompt's images go as processor output (module doc)."""
     s = req.sampling
     return {
         **({"lora_path": adapter} if adapter is not None else {}),
         **({"return_routed_experts": True} if routes else {}),
+        **({"image_data": [processor_output(req.images)]} if req.images is not None else {}),
         "input_ids": list(req.input_ids) + list(done_ids),
         "sampling_params": {
             "max_new_tokens": s.max_new_tokens - len(done_ids),
@@ -211,6 +222,16 @@ def generate_body(req: GenerationRequest, done_ids: list[int],
         # one rid per piece: SGLang refuses a rid that is still known to it
         "rid": f"{req.rid}-{len(done_ids)}",
     }
+
+
+def processor_output(images: ImageInputs) -> dict[str, Any]:
+    """A prompt's images as SGLang's "processor_output" item: the HF processor's image
+    tensors for a batch of one prompt, as nested lists."""
+    mask = images.pixel_attention_mask
+    if mask is None:
+        mask = torch.ones(images.n_tiles, *images.pixel_values.shape[2:], dtype=torch.bool)
+    return {"format": "processor_output", "pixel_values": [images.pixel_values.tolist()],
+            "pixel_attention_mask": [mask.tolist()]}
 
 
 def parse_generate(body: dict[str, Any], address: str) -> Piece:

@@ -5,6 +5,13 @@ Endpoints used (the server needs VLLM_SERVER_DEV_MODE=1 for /collective_rpc):
   `choices[0].token_ids` and `choices[0].logprobs.token_logprobs` are the sampled tokens and
   their log-probs (the server runs with --logprobs-mode processed_logprobs, so they are
   log_softmax(logits / T), as the trainer recomputes them).
+- A prompt with images (an Idefics3-like model; the server is started with
+  --enable-scale-out): POST /inference/v1/generate {"token_ids", "features",
+  "sampling_params"} with the processed images in `features` (vllm_images.py), answering
+  `choices[0].token_ids` and `choices[0].logprobs.content[i].logprob`. The image token id
+  and tokens per tile come once per server from POST /collective_rpc
+  {"method": "asyncrl_image_layout"}. A weight reload clears vLLM's cache of image
+  features, so an image is encoded again by the new vision tower.
 - POST /pause?mode=abort: every request in flight ends with finish_reason "abort" and the
   tokens it has; new requests wait until /resume. mode=keep freezes them instead.
 - POST /collective_rpc {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": folder}}:
@@ -64,19 +71,48 @@ from asyncrl.inference.client.resubmit import (
     Step,
     is_adapter_folder,
 )
+from asyncrl.inference.client.vllm_images import image_features, image_layout
 
 
 class VLLMClient(ResubmittingClient):
     """Routes generations to vLLM servers; a weight update aborts, reloads and resubmits."""
 
     backend = "vllm"
+    serves_images = True  # Idefics3-like models, through /inference/v1/generate
+
+    def __init__(self, addresses: list[str], **kwargs) -> None:
+        super().__init__(addresses, **kwargs)
+        self._image_layouts: dict[str, tuple[int, int]] = {}  # address -> its image layout
 
     async def _generate_piece(self, address: str, req: GenerationRequest, done_ids: list[int],
                               adapter: str | None) -> Piece:
+        if req.images is not None:
+            token_id, per_tile = await self._image_layout(address)
+            features = image_features(list(req.input_ids), req.images, token_id, per_tile,
+                                      req.rid)
+            body = await self._request(address, "/inference/v1/generate",
+                                       generate_body(req, done_ids, features, adapter),
+                                       timeout=self.request_timeout)
+            return parse_generate(body, address)
         body = await self._request(address, "/v1/completions",
                                    completion_body(req, done_ids, adapter),
                                    timeout=self.request_timeout)
         return parse_completion(body, address)
+
+    async def _image_layout(self, address: str) -> tuple[int, int]:
+        """(image token id, tokens per tile) of the model `address` serves, asked once;
+        ValueError if vLLM takes other image tensors for it."""
+        if address not in self._image_layouts:
+            body = await self._request(address, "/collective_rpc",
+                                       {"method": "asyncrl_image_layout"},
+                                       timeout=self.update_weights_timeout)
+            try:
+                config = body["results"][0]
+            except (KeyError, IndexError, TypeError) as e:
+                raise InferenceServerError(f"{address}/collective_rpc asyncrl_image_layout: "
+                                           f"unexpected answer {str(body)[:300]}") from e
+            self._image_layouts[address] = image_layout(config, address)
+        return self._image_layouts[address]
 
     async def _update_one(self, idx: int, path: str | WeightBroadcast, version: int) -> None:
         address, t = self.addresses[idx], self.update_weights_timeout
@@ -216,10 +252,31 @@ def completion_body(req: GenerationRequest, done_ids: list[int],
                     adapter: str | None = None) -> dict[str, Any]:
     """The /v1/completions request continuing `req` after the `done_ids` already sampled,
     under the LoRA adapter named `adapter` (None: the served model)."""
-    s = req.sampling
     return {
         **({"model": adapter} if adapter is not None else {}),
         "prompt": list(req.input_ids) + list(done_ids),
+        **sampling_fields(req, done_ids),
+        "return_token_ids": True,
+    }
+
+
+def generate_body(req: GenerationRequest, done_ids: list[int], features: dict[str, Any],
+                  adapter: str | None = None) -> dict[str, Any]:
+    """The /inference/v1/generate request continuing `req` (a prompt with images, whose
+    processed tensors are `features`: vllm_images.py) after the `done_ids` already sampled.
+    The images' placeholders keep their offsets: the sampled tokens come after them."""
+    return {
+        **({"model": adapter} if adapter is not None else {}),
+        "token_ids": list(req.input_ids) + list(done_ids),
+        "features": features,
+        "sampling_params": sampling_fields(req, done_ids),
+    }
+
+
+def sampling_fields(req: GenerationRequest, done_ids: list[int]) -> dict[str, Any]:
+    """vLLM's sampling parameters for what is left of `req` after `done_ids`."""
+    s = req.sampling
+    return {
         "max_tokens": s.max_new_tokens - len(done_ids),
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -229,7 +286,6 @@ def completion_body(req: GenerationRequest, done_ids: list[int],
         "ignore_eos": s.ignore_eos,
         **({"seed": piece_seed(s.seed, len(done_ids))} if s.seed is not None else {}),
         "logprobs": 0,  # the sampled token's log-prob only
-        "return_token_ids": True,
         "skip_special_tokens": False,
     }
 
@@ -248,3 +304,19 @@ def parse_completion(body: dict[str, Any], address: str) -> Piece:
         raise InferenceServerError(f"{address}/v1/completions: {len(ids)} token ids but "
                                    f"{len(lps)} log-probs")
     return Piece(ids, [float(x) for x in lps], finish)
+
+
+def parse_generate(body: dict[str, Any], address: str) -> Piece:
+    """Token ids, their log-probs and the finish reason of an /inference/v1/generate answer."""
+    try:
+        choice = body["choices"][0]
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        lps = [float(x["logprob"]) for x in (choice.get("logprobs") or {}).get("content") or []]
+        finish = StopReason(choice["finish_reason"])  # stop | length | abort
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise InferenceServerError(f"{address}/inference/v1/generate: unexpected answer "
+                                   f"({type(e).__name__}: {e}): {str(body)[:300]}") from e
+    if len(lps) != len(ids):
+        raise InferenceServerError(f"{address}/inference/v1/generate: {len(ids)} token ids but "
+                                   f"{len(lps)} log-probs")
+    return Piece(ids, lps, finish)

@@ -1,4 +1,5 @@
-"""Mixed into vLLM's worker (`--worker-extension-cls`): weight reload that keeps ties.
+"""Mixed into vLLM's worker (`--worker-extension-cls`): weight reload that keeps ties, and
+the image layout of a vision-language model for the client (vllm_images.py).
 
 vLLM 0.32's in-place `reload_weights` rebuilds each layer's parameters, which unties
 weights the model shares: with tie_word_embeddings, `lm_head` keeps the OLD embedding
@@ -33,6 +34,19 @@ class WeightSyncExtension:
                 if method is not None:
                     method.process_weights_after_loading(module)
         return len(groups)
+
+    def asyncrl_image_layout(self) -> dict[str, Any]:
+        """The served model's type and, for an Idefics3-like model, its image token id and
+        image tokens per tile (the vision encoder's patches per tile, merged by the
+        connector's scale factor in each direction)."""
+        config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        out: dict[str, Any] = {"model_type": config.model_type}
+        vision = getattr(config, "vision_config", None)
+        if hasattr(config, "image_token_id") and hasattr(config, "scale_factor") and vision:
+            patches = (vision.image_size // vision.patch_size) ** 2
+            out.update(image_token_id=config.image_token_id,
+                       tokens_per_tile=patches // config.scale_factor ** 2)
+        return out
 
 
 def _shared_parameter_names(model: Any) -> list[list[str]]:
