@@ -21,10 +21,13 @@ from asyncrl.trainer import service as trainer_service
 from asyncrl.trainer.worker import TrainerSpec
 
 REPO = Path(__file__).resolve().parents[3]
-OFFLINE = ("sft", "dpo", "rm")  # examples/<trainer>/ of the offline trainers: no RL processes
+# The offline trainers' configs (no RL processes): under examples/<trainer>/, or named
+# with _<trainer>_ elsewhere (examples/vlm/shapes_sft_cpu.yaml), as test_config.py reads them.
+OFFLINE = ("sft", "dpo", "rm")
 RL_CONFIGS = sorted(p for p in [*(REPO / "examples").rglob("*.yaml"),
                                 *(REPO / "src/asyncrl/recipes").glob("*.yaml")]
-                    if p.parent.name not in OFFLINE)
+                    if p.parent.name not in OFFLINE
+                    and not any(f"_{name}_" in f"_{p.stem}_" for name in OFFLINE))
 
 
 def _specs(cfg):
