@@ -99,6 +99,17 @@ def test_tokens_masks_logprobs_and_versions_line_up(tok):
     assert traj.stop_reason is StopReason.STOP
 
 
+def test_without_the_chat_template_the_prompt_is_the_plain_text(tok):
+    gconfig = GenerationConfig(n_samples=1, max_new_tokens=16)
+    workflow = RLVRWorkflow(tok, gconfig, RewardRunner(gsm8k_reward, timeout=10.0,
+                                                       processes=False),
+                            system_prompt=SYSTEM, chat_template=False)
+    plain = tok.encode(f"{SYSTEM}\n\n{ITEM['question']}")
+    assert workflow.prompt_ids(ITEM) == plain
+    traj = asyncio.run(workflow.run(FakeEngine(tok, ["#### 18"]), ITEM))[0]
+    assert traj.input_ids[:len(plain)] == plain and traj.reward == 1.0
+
+
 def test_requests_carry_the_gconfig_sampling(tok):
     engine = FakeEngine(tok, ["#### 18"])
     workflow = make_workflow(tok, n_samples=2, greedy=True, top_p=0.9, top_k=5,

@@ -122,7 +122,7 @@ class RLVRWorkflow:
         if item.get("images"):
             return self._image_prompt(item)
         if not self.chat_template:
-            return self.tokenizer.encode(self.plain_prompt(item["question"]))
+            return self.tokenizer.encode(self.plain_prompt(item["question"])), None
         messages = build_messages(item["question"], system_prompt=self.system_prompt,
                                   few_shot=self.few_shot)
         return encode_chat(self.tokenizer, messages), None
