@@ -101,7 +101,7 @@ def generate(client, ids, images, n=12, seed=5):
 def test_sampled_tokens_after_an_image_come_with_hf_whole_model_logprobs(vllm_vlm):
     client, models = vllm_vlm
     ids, images = image_prompt(models[0])
-    assert images.n_tiles > 1  # several tiles: several runs of image tokens, one item each
+    assert images.n_items > 1  # several tiles: several runs of image tokens, one item each
     r = generate(client, ids, images)
     assert len(r.output_ids) == len(r.output_logprobs) == 12
     got = torch.tensor(r.output_logprobs)

@@ -33,8 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from asyncrl.api.types import ImageInputs, StopReason, Trajectory
 
 ExportStyle = Literal["tree", "individual"]
@@ -106,9 +104,7 @@ def _continues(c: Completion, prefix: list[int], earlier: Completion) -> bool:
         return False
     if earlier.images is None:
         return True
-    n = earlier.images.n_tiles
-    return c.images is not None and c.images.n_tiles >= n and torch.equal(
-        c.images.pixel_values[:n], earlier.images.pixel_values)
+    return c.images is not None and c.images.starts_with(earlier.images)
 
 
 def parents(completions: list[Completion]) -> tuple[list[int | None], list[int | None]]:

@@ -102,16 +102,38 @@ def piece_seed(seed: int | None, n_done: int) -> int | None:
 
 @dataclass(kw_only=True)
 class ImageInputs:
-    """The images of one prompt as the model's image processor made them: `pixel_values`
-    float32 [tiles, channels, height, width] (Idefics3 / SmolVLM: an image is several
-    tiles) and `pixel_attention_mask` bool [tiles, height, width] (True on real pixels;
-    None: all real). The prompt's image tokens stand for them, in order."""
+    """The images of one prompt as the model's image processor made them, in one of two
+    layouts; the prompt's image tokens stand for them, in order.
+
+    Tiles (Idefics3 / SmolVLM: an image is several tiles): `pixel_values` float32 [tiles,
+    channels, height, width] and `pixel_attention_mask` bool [tiles, height, width] (True on
+    real pixels; None: all real). An item is a tile.
+
+    Patches (Qwen2-VL / Qwen2.5-VL): `pixel_values` float32 [patches, patch values], the
+    images' patches one image after the other, and `image_grid_thw` long [images, 3], each
+    image's grid of patches (temporal, height, width). An item is an image.
+    """
 
     pixel_values: torch.Tensor
     pixel_attention_mask: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        pv, mask = self.pixel_values, self.pixel_attention_mask
+        pv, mask, grid = self.pixel_values, self.pixel_attention_mask, self.image_grid_thw
+        if grid is not None:
+            if (grid.dtype != torch.int64 or grid.dim() != 2 or grid.shape[0] == 0
+                    or grid.shape[1] != 3 or bool((grid <= 0).any())):
+                raise ValueError("image_grid_thw must be int64 [images >= 1, 3] of positive "
+                                 f"(temporal, height, width) patch counts, got {grid.dtype} "
+                                 f"{grid.tolist() if grid.numel() <= 12 else list(grid.shape)}")
+            if pv.dtype != torch.float32 or pv.dim() != 2 or mask is not None:
+                raise ValueError("with image_grid_thw, pixel_values must be float32 [patches, "
+                                 f"patch values] and no pixel_attention_mask, got {pv.dtype} "
+                                 f"{list(pv.shape)}")
+            if pv.shape[0] != int(grid.prod(-1).sum()):
+                raise ValueError(f"pixel_values holds {pv.shape[0]} patches but image_grid_thw "
+                                 f"{grid.tolist()} makes {int(grid.prod(-1).sum())}")
+            return
         if pv.dtype != torch.float32 or pv.dim() != 4 or pv.shape[0] == 0:
             raise ValueError("pixel_values must be float32 [tiles >= 1, channels, height, width], "
                              f"got {pv.dtype} {list(pv.shape)}")
@@ -122,42 +144,83 @@ class ImageInputs:
 
     @classmethod
     def from_processor(cls, features: Any) -> ImageInputs:
-        """The images of an HF image processor's output for one prompt (pixel_values
-        [1, tiles, ...], and pixel_attention_mask [1, tiles, h, w] if it has one)."""
-        pv, mask = features["pixel_values"], features.get("pixel_attention_mask")
+        """The images of an HF processor's output for one prompt: pixel_values [1, tiles,
+        ...] (and pixel_attention_mask [1, tiles, h, w] if it has one), or pixel_values
+        [patches, ...] with image_grid_thw."""
+        pv, grid = features["pixel_values"], features.get("image_grid_thw")
+        if grid is not None:
+            return cls(pixel_values=pv.float(), image_grid_thw=grid.long())
+        mask = features.get("pixel_attention_mask")
         if pv.shape[0] != 1:
             raise ValueError(f"from_processor takes one prompt's images, got {pv.shape[0]}")
         return cls(pixel_values=pv[0].float(), pixel_attention_mask=None if mask is None
                    else mask[0].bool())
 
     @property
-    def n_tiles(self) -> int:
+    def n_items(self) -> int:
+        """Tiles, or images in the patch layout."""
+        if self.image_grid_thw is not None:
+            return self.image_grid_thw.shape[0]
         return self.pixel_values.shape[0]
+
+    def item_sizes(self) -> list[int]:
+        """The rows of `pixel_values` each item takes (1 per tile; an image's patches)."""
+        if self.image_grid_thw is not None:
+            return self.image_grid_thw.prod(-1).tolist()
+        return [1] * self.pixel_values.shape[0]
+
+    def items(self, start: int, stop: int) -> ImageInputs:
+        """Items `start` to `stop` (exclusive) alone."""
+        sizes = self.item_sizes()
+        lo, hi = sum(sizes[:start]), sum(sizes[:stop])
+        mask, grid = self.pixel_attention_mask, self.image_grid_thw
+        return ImageInputs(pixel_values=self.pixel_values[lo:hi],
+                           pixel_attention_mask=None if mask is None else mask[lo:hi],
+                           image_grid_thw=None if grid is None else grid[start:stop])
+
+    def starts_with(self, other: ImageInputs) -> bool:
+        """Whether `other`'s items are this one's first items (an earlier turn's images)."""
+        if (other.image_grid_thw is None) != (self.image_grid_thw is None) or \
+                other.n_items > self.n_items:
+            return False
+        head = self.items(0, other.n_items)
+        return all(torch.equal(a, b) if a is not None and b is not None else a is b
+                   for a, b in ((head.pixel_values, other.pixel_values),
+                                (head.image_grid_thw, other.image_grid_thw)))
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON: each tensor's shape and little-endian bytes in base64."""
         out = {"pixel_values": _encode(self.pixel_values, "<f4")}
         if self.pixel_attention_mask is not None:
             out["pixel_attention_mask"] = _encode(self.pixel_attention_mask, "u1")
+        if self.image_grid_thw is not None:
+            out["image_grid_thw"] = _encode(self.image_grid_thw, "<i8")
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageInputs:
         """The images `to_dict` encoded; ValueError names a field that does not decode."""
-        mask = d.get("pixel_attention_mask")
+        mask, grid = d.get("pixel_attention_mask"), d.get("image_grid_thw")
         return cls(pixel_values=_decode(d["pixel_values"], "<f4", torch.float32),
-                   pixel_attention_mask=None if mask is None else _decode(mask, "u1", torch.bool))
+                   pixel_attention_mask=None if mask is None else _decode(mask, "u1", torch.bool),
+                   image_grid_thw=None if grid is None else _decode(grid, "<i8", torch.int64))
 
     @staticmethod
     def cat(images: list[ImageInputs]) -> ImageInputs:
-        """The tiles of `images` one after the other (a mask where any has one)."""
+        """The items of `images` one after the other (a mask where any has one); ValueError
+        for images of both layouts."""
+        grids = [i.image_grid_thw for i in images]
+        if any(g is None for g in grids) and any(g is not None for g in grids):
+            raise ValueError("images of two layouts (tiles, and patches with image_grid_thw) "
+                             "cannot be joined: they come from different processors")
         masks = None
         if any(i.pixel_attention_mask is not None for i in images):
             masks = torch.cat([i.pixel_attention_mask if i.pixel_attention_mask is not None
-                               else torch.ones(i.n_tiles, *i.pixel_values.shape[2:],
+                               else torch.ones(i.n_items, *i.pixel_values.shape[2:],
                                                dtype=torch.bool) for i in images])
         return ImageInputs(pixel_values=torch.cat([i.pixel_values for i in images]),
-                           pixel_attention_mask=masks)
+                           pixel_attention_mask=masks,
+                           image_grid_thw=None if grids[0] is None else torch.cat(grids))
 
 
 def _encode(t: torch.Tensor, dtype: str) -> dict[str, Any]:
@@ -366,15 +429,19 @@ def image_fields(images: list[ImageInputs | None]) -> dict[str, torch.Tensor]:
         raise ValueError(f"rows carry image tiles of different shapes {sorted(shapes)} "
                          "(channels, height, width): they come from different processors")
     cat = ImageInputs.cat([im for _, im in rows])
-    return {"pixel_values": cat.pixel_values,
-            "pixel_attention_mask": cat.pixel_attention_mask if
+    out = {"pixel_values": cat.pixel_values,
+           "image_rows": torch.cat([torch.full((im.n_items,), i, dtype=torch.long)
+                                    for i, im in rows])}
+    if cat.image_grid_thw is not None:
+        out["image_grid_thw"] = cat.image_grid_thw
+    else:
+        out["pixel_attention_mask"] = cat.pixel_attention_mask if \
             cat.pixel_attention_mask is not None else torch.ones(
-                cat.n_tiles, *cat.pixel_values.shape[2:], dtype=torch.bool),
-            "image_rows": torch.cat([torch.full((im.n_tiles,), i, dtype=torch.long)
-                                     for i, im in rows])}
+                cat.n_items, *cat.pixel_values.shape[2:], dtype=torch.bool)
+    return out
 
 
-_IMAGE_FIELDS = ("pixel_values", "pixel_attention_mask", "image_rows")
+_IMAGE_FIELDS = ("pixel_values", "pixel_attention_mask", "image_rows", "image_grid_thw")
 
 
 @dataclass
@@ -402,12 +469,23 @@ class TensorBatch:
     # [B, T, MoE layers, top_k] int16: the experts the rollout chose per token, -1 where
     # not recorded (the trainer routes those itself); None: no row recorded any.
     routed_experts: torch.Tensor | None = None
-    # The rows' image tiles, row by row: pixel_values [tiles, C, H, W] float32,
-    # pixel_attention_mask [tiles, H, W] bool, and image_rows [tiles] long, the row of each
-    # tile (rows in increasing order). None: no row has images.
+    # The rows' images, row by row (`ImageInputs`' layouts): image_rows [items] long, the
+    # row of each item (rows in increasing order); tiles: pixel_values [tiles, C, H, W]
+    # float32 and pixel_attention_mask [tiles, H, W] bool; patches: pixel_values [patches,
+    # D] float32 and image_grid_thw [images, 3] long. None: no row has images.
     pixel_values: torch.Tensor | None = None
     pixel_attention_mask: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    @property
+    def images(self) -> ImageInputs | None:
+        """All rows' images as one `ImageInputs` (their items in row order)."""
+        if self.pixel_values is None:
+            return None
+        return ImageInputs(pixel_values=self.pixel_values,
+                           pixel_attention_mask=self.pixel_attention_mask,
+                           image_grid_thw=self.image_grid_thw)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -427,13 +505,16 @@ class TensorBatch:
         out = TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__
                              if name not in _IMAGE_FIELDS})
         if self.image_rows is not None:
-            tiles = [(self.image_rows == int(r)).nonzero()[:, 0] for r in idx]
-            order = torch.cat(tiles)
-            if len(order):
-                out.pixel_values = self.pixel_values[order]
-                out.pixel_attention_mask = self.pixel_attention_mask[order]
+            images = self.images
+            items = [(self.image_rows == int(r)).nonzero()[:, 0] for r in idx]
+            kept = [images.items(int(i), int(i) + 1) for t in items for i in t]
+            if kept:
+                cat = ImageInputs.cat(kept)
+                out.pixel_values = cat.pixel_values
+                out.pixel_attention_mask = cat.pixel_attention_mask
+                out.image_grid_thw = cat.image_grid_thw
                 out.image_rows = torch.cat([torch.full((len(t),), k, dtype=torch.long)
-                                            for k, t in enumerate(tiles)])
+                                            for k, t in enumerate(items)])
         return out
 
 

@@ -40,6 +40,7 @@ from asyncrl.api.types import ImageInputs, TensorBatch, image_fields
 from asyncrl.config.offline import OfflineDatasetConfig
 from asyncrl.data.loading import DatasetError, _split_files, report_skipped
 from asyncrl.data.prompts import build_messages, encode_chat
+from asyncrl.models.processors import image_text
 from asyncrl.models.reward import encode_conversation
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -278,7 +279,7 @@ def tokenize_image_conversation(processor: Any, messages: Messages, images: list
                            "to hold them")
     placeholder = processor.image_token
     messages = [dict(m) for m in messages]
-    messages[first_user]["content"] = placeholder * len(images) + \
+    messages[first_user]["content"] = image_text(processor) * len(images) + \
         messages[first_user]["content"]
     found = sum(m["content"].count(placeholder) for m in messages)
     if found != len(images):

@@ -76,10 +76,7 @@ def make_tiny_vlm(path: str | Path, *, seed: int = 0, tile: int = 32, patch: int
     model = transformers.Idefics3ForConditionalGeneration(config)
     # Larger than HF's init (std 0.02), so that outputs depend visibly on the input (as in
     # tiny.py); the vision side too, so that the image changes the text's log-probs.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2 if "embed_tokens" in name else 1.0 / p[0].numel() ** 0.5)
+    widen_init(model)
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": max_tiles_per_side * tile}, max_image_size={"longest_edge": tile})
     processor = Idefics3Processor(
@@ -89,3 +86,14 @@ def make_tiny_vlm(path: str | Path, *, seed: int = 0, tile: int = 32, patch: int
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return str(path)
+
+
+def widen_init(model) -> None:
+    """Every matrix of `model` drawn wider than HF's init: N(0, 0.2) for token embeddings,
+    N(0, 1 / fan-in) for the rest (both sides of a vision-language model)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2 if "embed_tokens" in name else 1.0 / p[0].numel() ** 0.5)

@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from asyncrl.api.types import ImageInputs
+from asyncrl.models.processors import image_text, load_processor
 from asyncrl.openai.errors import OpenAIError
 
 _DATA_URL = re.compile(r"data:(image/[A-Za-z0-9.+-]+);base64,(.*)", re.DOTALL)
@@ -40,9 +41,7 @@ def load_image_prompts(path: str) -> ImagePrompts | None:
     processor (the model reads text only)."""
     if not has_image_processor(path):
         return None
-    from transformers import AutoProcessor
-
-    return ImagePrompts(AutoProcessor.from_pretrained(path))
+    return ImagePrompts(load_processor(path))
 
 
 class ImagePrompts:
@@ -54,7 +53,8 @@ class ImagePrompts:
             raise ValueError(f"{type(processor).__name__} names no image_token; the chat layer "
                              "needs the placeholder its template writes for an image")
         self.processor = processor
-        self.placeholder = token  # what a chat turn holds where an image goes
+        self.placeholder = token  # the token the processor expands into an image's tokens
+        self.image_text = image_text(processor)  # what a chat turn holds for an image
 
     def decode_url(self, url: Any, param: str) -> Any:
         """The PIL image of a data URL; a 400 naming `param` for anything else."""

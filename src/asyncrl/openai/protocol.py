@@ -298,7 +298,7 @@ def _image(part: dict[str, Any], where: str, vision: ImagePrompts | None,
         raise OpenAIError(f"{where}.image_url must be an object {{url, detail}}",
                           param=f"{where}.image_url")
     images.append(vision.decode_url(spec.get("url"), f"{where}.image_url.url"))
-    return vision.placeholder
+    return vision.image_text
 
 
 def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -41,11 +41,12 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.api import cores, faults
 from asyncrl.api.protocols import LossFn
-from asyncrl.api.types import TensorBatch
+from asyncrl.api.types import ImageInputs, TensorBatch
 from asyncrl.config.allocation import check_lora_layout
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.trainer import checkpoint, experts, lora, parallel
+from asyncrl.openai.images import load_image_prompts
+from asyncrl.trainer import checkpoint, experts, lora, parallel, vision
 from asyncrl.trainer.cpu import grad_ops, heap, precision
 from asyncrl.trainer.cpu.attention import NAME as TRIE_ATTENTION
 from asyncrl.trainer.cpu.attention import use_trie_attention
@@ -70,8 +71,8 @@ from asyncrl.trainer.prefix import PrefixPack, pack_prefixes
 logger = logging.getLogger(__name__)
 
 HF_PREFIX = "hf."  # the HF model is the `hf` child of the FSDP root
-# A micro-batch's image tiles: pixel_values, pixel_attention_mask, image_rows (TensorBatch).
-RowImages = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# A micro-batch's images and the row of each item (TensorBatch.images, .image_rows).
+RowImages = tuple[ImageInputs, torch.Tensor]
 # On the CPU, the trie's node count and packed-row width rounded up to these multiples
 # (`trainer/prefix.py`): oneDNN builds a matmul primitive per shape it has not seen, ~3 ms
 # each, and every batch of a run has other sizes (~19 new shapes, 50-70 ms of each step);
@@ -90,9 +91,10 @@ class TokenLogprobModel(nn.Module):
     Given a `PrefixPack`, the decoder runs on the trie's nodes and each distinct (prefix,
     token) goes through the projection once; rows sharing it read the same value.
 
-    A vision-language model's rows may carry images (`TensorBatch.pixel_values`): HF's
-    vision encoder and connector run on their tiles, and the features replace the
-    embeddings of each row's prompt image tokens, as the inference engine placed them.
+    A vision-language model's rows may carry images (`TensorBatch.images`): HF's vision
+    encoder and connector run on them, and the features replace the embeddings of each
+    row's prompt image tokens, as the inference servers placed them; Qwen2-VL's family
+    also takes their three-dimensional positions (`trainer/vision.py`).
     """
 
     packs_prefixes = True  # its forward takes `pack` (FSDPTrainEngine checks it)
@@ -110,7 +112,7 @@ class TokenLogprobModel(nn.Module):
 
         `with_entropy`: also the entropy of the sampling distribution (logits / T) at those
         positions, [B, T], without gradient. `pack`: the rows' trie (the same numbers).
-        `images`: the rows' image tiles (pixel_values, pixel_attention_mask, image_rows).
+        `images`: the rows' images and the row of each of their items.
         """
         chosen = targets[:, 1:]  # token t is predicted by the hidden state at t - 1
         if pack is None:
@@ -143,30 +145,40 @@ class TokenLogprobModel(nn.Module):
         if images is not None:
             if embeds is None:
                 embeds = self.hf.get_input_embeddings()(inputs["input_ids"])
-            embeds = self._with_images(inputs["input_ids"], embeds, images)
+            embeds = self._with_images(inputs, embeds, *images)
         if embeds is not None:
             del inputs["input_ids"]
             inputs["inputs_embeds"] = embeds
         return self.hf.get_decoder()(**inputs, use_cache=False)
 
-    def _with_images(self, input_ids: torch.Tensor, embeds: torch.Tensor,
-                     images: RowImages) -> torch.Tensor:
-        """`embeds` with each row's prompt image tokens (its first tiles x tokens-per-tile
-        image tokens: a sampled image token is embedded as a token, as the engine does)
-        replaced by its tiles' features, in order."""
-        pixel_values, pixel_mask, rows = images
-        features = self.hf.get_image_features(pixel_values[None], pixel_mask[None]).pooler_output
-        per_row = torch.bincount(rows, minlength=input_ids.shape[0]) * features.shape[1]
-        is_image = input_ids == self.hf.config.image_token_id
-        mask = is_image & (is_image.cumsum(-1) <= per_row[:, None])
-        placed = mask.sum(-1)
-        if not torch.equal(placed, per_row):
-            bad = int((placed != per_row).nonzero()[0, 0])
-            raise ValueError(f"row {bad} of the batch has {int(placed[bad])} image tokens for "
-                             f"{int(per_row[bad])} image features: its prompt and images must "
-                             "come from one processor call")
-        flat = features.reshape(-1, features.shape[-1]).to(embeds.dtype)
-        return embeds.masked_scatter(mask[..., None], flat)
+    def _with_images(self, inputs: dict[str, torch.Tensor], embeds: torch.Tensor,
+                     images: ImageInputs, rows: torch.Tensor) -> torch.Tensor:
+        """`embeds` with each row's prompt image tokens replaced by its images' features,
+        in order (`trainer/vision.py`); with patches, `inputs` gains their positions."""
+        input_ids, config = inputs["input_ids"], self.hf.config
+        if images.image_grid_thw is None:
+            features = self.hf.get_image_features(
+                images.pixel_values[None], images.pixel_attention_mask[None]).pooler_output
+            per_row = torch.bincount(rows, minlength=input_ids.shape[0]) * features.shape[1]
+            mask = vision.prompt_image_mask(input_ids, config.image_token_id, per_row)
+            return embeds.masked_scatter(
+                mask[..., None], features.reshape(-1, features.shape[-1]).to(embeds.dtype))
+        if config.model_type not in vision.GRID_TYPES:
+            raise NotImplementedError(
+                f"images with image_grid_thw for a {config.model_type!r} model: the trainer "
+                f"places them for {', '.join(vision.GRID_TYPES)} (Qwen3-VL also feeds image "
+                "features to inner decoder layers, which it does not do)")
+        grids = vision.merged_grids(images, config.vision_config.spatial_merge_size)
+        out = self.hf.get_image_features(images.pixel_values, images.image_grid_thw)
+        features = getattr(out, "pooler_output", out)  # transformers 5; 4: the split features
+        if isinstance(features, (tuple, list)):
+            features = torch.cat(list(features))
+        per_row = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        per_row.index_add_(0, rows, grids.prod(-1))
+        mask = vision.prompt_image_mask(input_ids, config.image_token_id, per_row)
+        inputs["position_ids"] = vision.mrope_positions(inputs["attention_mask"], mask, rows,
+                                                        grids)
+        return embeds.masked_scatter(mask[..., None], features.to(embeds.dtype))
 
     def _logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor,
                   with_entropy: bool) -> list[torch.Tensor]:
@@ -351,7 +363,7 @@ class FSDPTrainEngine:
 
     def initialize(self) -> None:
         """Join the process group, load and shard the model, build optimiser and schedule."""
-        from transformers import AutoProcessor, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = local_device(self.spec.device)
         self._owns_process_group = init_process_group(self.spec.device)
@@ -384,7 +396,8 @@ class FSDPTrainEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # a vision-language model's processor, saved with its weights
         if hasattr(hf_model.config, "vision_config"):
-            self.processor = AutoProcessor.from_pretrained(path)
+            images = load_image_prompts(path)
+            self.processor = None if images is None else images.processor
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:
             # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.
@@ -592,7 +605,7 @@ class FSDPTrainEngine:
                 raise ValueError("a batch with images cannot run as a prefix trie (equal "
                                  "image tokens, other pixels): set actor.shared_prefix=false "
                                  "for a vision-language model")
-            kwargs["images"] = (mb.pixel_values, mb.pixel_attention_mask, mb.image_rows)
+            kwargs["images"] = (mb.images, mb.image_rows)
         if self.spec.shared_prefix:
             nodes, width = SHAPE_MULTIPLES if self.device.type == "cpu" else (1, 1)
             pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu(),

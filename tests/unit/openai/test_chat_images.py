@@ -185,4 +185,4 @@ def test_the_agent_proxy_records_the_served_ids_and_images_of_each_turn(vlm, ser
         assert trajectory.input_ids == req.input_ids + resp.output_ids
         assert torch.equal(trajectory.images.pixel_values, req.images.pixel_values)
     # the second turn's prompt holds the first image's 5 tiles, then the second's 3
-    assert [t.images.n_tiles for t in trajectories] == [5, 5 + 3]
+    assert [t.images.n_items for t in trajectories] == [5, 5 + 3]

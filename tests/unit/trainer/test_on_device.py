@@ -13,11 +13,13 @@ import torch
 from batches import random_batch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from asyncrl.api.types import GenerationRequest, SamplingParams
+from asyncrl.api.types import Batch, GenerationRequest, SamplingParams, Trajectory
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import LocalEngineConfig, MicroBatchSpec, OptimizerConfig
 from asyncrl.inference.server.engine import LocalEngine
 from asyncrl.models.tiny import make_tiny_model
+from asyncrl.models.tiny_qwen_vl import make_tiny_qwen_vl
+from asyncrl.openai.images import load_image_prompts
 from asyncrl.trainer import engine as engine_module
 from asyncrl.trainer.cpu import logprob_head
 from asyncrl.trainer.cpu.logprob_head import token_logprobs
@@ -125,6 +127,50 @@ def test_a_train_steps_loss_and_gradients_equal_hf_autograd_on_the_cpu(
             assert float((grad - ref).norm() / ref.norm()) < 0.08, name
         else:
             torch.testing.assert_close(grad, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen_vl_logprobs_on_the_device_equal_hfs_on_the_cpu(test_device, tmp_path):
+    """Qwen2.5-VL's image features and three-dimensional positions placed by the trainer on
+    the device: HF's whole model on each row alone, in fp32 on the CPU, is the reference."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    path = make_tiny_qwen_vl(tmp_path / "qwen_vl")
+    prompts = load_image_prompts(path)
+    tok = prompts.processor.tokenizer
+    trajs = []
+    for i, sizes in enumerate([[(40, 24)], [(16, 32), (24, 24)], []]):
+        text = tok.apply_chat_template([{"role": "user", "content": prompts.image_text * len(
+            sizes) + f"q{i}"}], add_generation_prompt=True, tokenize=False)
+        if sizes:
+            ids, images = prompts.encode(text, [Image.new("RGB", s, (60 * i, 90, 200 - 40 * k))
+                                                for k, s in enumerate(sizes)])
+        else:
+            ids, images = tok.encode(text, add_special_tokens=False), None
+        out = [70 + i, 71, 72]
+        trajs.append(Trajectory(input_ids=ids + out, loss_mask=[0] * len(ids) + [1] * 3,
+                                behavior_logprobs=[0.0] * (len(ids) + 3),
+                                versions=[-1] * len(ids) + [0] * 3, reward=0.0, group_id="g",
+                                images=images))
+    batch = Batch(trajs).to_tensors()
+    engine = engine_on(FSDPTrainEngine, path, test_device, dtype="float32", shared_prefix=False)
+    ours = engine.compute_logprobs(batch).cpu()
+    engine.destroy()
+
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    rope_args = hf.model.get_rope_index.__code__.co_varnames
+    for r, t in enumerate(trajs):
+        ids = torch.tensor([t.input_ids])
+        kwargs = {}
+        if t.images is not None:
+            kwargs = {"pixel_values": t.images.pixel_values,
+                      "image_grid_thw": t.images.image_grid_thw}
+            if "mm_token_type_ids" in rope_args:  # transformers 5
+                kwargs["mm_token_type_ids"] = (ids == hf.config.image_token_id).int()
+        with torch.no_grad():
+            logits = hf(input_ids=ids, **kwargs).logits[0]
+        ref = logits[:-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        torch.testing.assert_close(ours[r, 1:len(t.input_ids)], ref, atol=1e-4, rtol=0)
 
 
 # ---- the critic -----------------------------------------------------------------------------

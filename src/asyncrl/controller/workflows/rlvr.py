@@ -135,7 +135,7 @@ class RLVRWorkflow:
         images = [self.images.decode_url(im, f"item {item.get('id')!r} images[{i}]")
                   if isinstance(im, str) else im.convert("RGB")
                   for i, im in enumerate(item["images"])]
-        messages = build_messages(self.images.placeholder * len(images) + item["question"],
+        messages = build_messages(self.images.image_text * len(images) + item["question"],
                                   system_prompt=self.system_prompt, few_shot=self.few_shot)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)

@@ -226,10 +226,14 @@ def generate_body(req: GenerationRequest, done_ids: list[int],
 
 def processor_output(images: ImageInputs) -> dict[str, Any]:
     """A prompt's images as SGLang's "processor_output" item: the HF processor's image
-    tensors for a batch of one prompt, as nested lists."""
+    tensors for a batch of one prompt, as nested lists (Qwen2-VL's family: the patches and
+    image_grid_thw, unbatched, as its processor returns them)."""
+    if images.image_grid_thw is not None:
+        return {"format": "processor_output", "pixel_values": images.pixel_values.tolist(),
+                "image_grid_thw": images.image_grid_thw.tolist()}
     mask = images.pixel_attention_mask
     if mask is None:
-        mask = torch.ones(images.n_tiles, *images.pixel_values.shape[2:], dtype=torch.bool)
+        mask = torch.ones(images.n_items, *images.pixel_values.shape[2:], dtype=torch.bool)
     return {"format": "processor_output", "pixel_values": [images.pixel_values.tolist()],
             "pixel_attention_mask": [mask.tolist()]}
 

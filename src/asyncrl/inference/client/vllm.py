@@ -71,7 +71,7 @@ from asyncrl.inference.client.resubmit import (
     Step,
     is_adapter_folder,
 )
-from asyncrl.inference.client.vllm_images import image_features, image_layout
+from asyncrl.inference.client.vllm_images import ImageLayout, image_features, image_layout
 
 
 class VLLMClient(ResubmittingClient):
@@ -82,14 +82,13 @@ class VLLMClient(ResubmittingClient):
 
     def __init__(self, addresses: list[str], **kwargs) -> None:
         super().__init__(addresses, **kwargs)
-        self._image_layouts: dict[str, tuple[int, int]] = {}  # address -> its image layout
+        self._image_layouts: dict[str, ImageLayout] = {}  # address -> its image layout
 
     async def _generate_piece(self, address: str, req: GenerationRequest, done_ids: list[int],
                               adapter: str | None) -> Piece:
         if req.images is not None:
-            token_id, per_tile = await self._image_layout(address)
-            features = image_features(list(req.input_ids), req.images, token_id, per_tile,
-                                      req.rid)
+            layout = await self._image_layout(address)
+            features = image_features(list(req.input_ids), req.images, layout, req.rid)
             body = await self._request(address, "/inference/v1/generate",
                                        generate_body(req, done_ids, features, adapter),
                                        timeout=self.request_timeout)
@@ -99,9 +98,9 @@ class VLLMClient(ResubmittingClient):
                                    timeout=self.request_timeout)
         return parse_completion(body, address)
 
-    async def _image_layout(self, address: str) -> tuple[int, int]:
-        """(image token id, tokens per tile) of the model `address` serves, asked once;
-        ValueError if vLLM takes other image tensors for it."""
+    async def _image_layout(self, address: str) -> ImageLayout:
+        """The image layout of the model `address` serves, asked once; ValueError if vLLM
+        takes other image tensors for it."""
         if address not in self._image_layouts:
             body = await self._request(address, "/collective_rpc",
                                        {"method": "asyncrl_image_layout"},

@@ -14,10 +14,16 @@ token; Idefics3 writes tile markers between the tiles of an image, so each run o
 tokens (one tile, or several adjacent tiles) is its own item. The vision encoder and
 connector see each tile alone, so items cut at tile bounds give the same features.
 
-The tensors are Idefics3 / SmolVLM's (vllm/model_executor/models/idefics3.py):
-`pixel_values` and `pixel_attention_mask` flat over the item's tiles, and `num_patches`,
-its tile count. A model whose vLLM implementation takes other tensors is refused by
-`image_layout` (the worker extension reports the served model's type).
+The tensors are those of the served model's vLLM implementation:
+- Idefics3 / SmolVLM (vllm/model_executor/models/idefics3.py): `pixel_values` and
+  `pixel_attention_mask` flat over the item's tiles, and `num_patches`, its tile count.
+- Qwen2-VL / Qwen2.5-VL (qwen2_vl.py `_create_qwen2vl_field_factory`): an item is an image,
+  its `pixel_values` its patches (flat) and `image_grid_thw` its grid (batched); its
+  placeholder is its t * h * w / merge_size^2 image tokens. vLLM derives the decoder's
+  three-dimensional positions from the placeholders' offsets and the grids, as the trainer
+  does (`trainer/vision.py`).
+A model whose vLLM implementation takes other tensors is refused by `image_layout` (the
+worker extension reports the served model's type).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,37 +40,55 @@ from asyncrl.api.types import ImageInputs
 
 # The model types whose vLLM implementation takes the tensors above.
 IDEFICS3_TYPES = ("idefics3", "smolvlm")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _RAW_VIEW = 3  # vLLM's msgpack extension type of a tensor's raw bytes (CUSTOM_TYPE_RAW_VIEW)
 
 
-def image_layout(config: dict[str, Any], address: str) -> tuple[int, int]:
-    """(image token id, image tokens per tile) of the model a vLLM server serves, from its
-    worker's report (`WeightSyncExtension.asyncrl_image_layout`); ValueError for a model
-    whose vLLM implementation takes other image tensors."""
-    if config.get("model_type") not in IDEFICS3_TYPES:
-        raise ValueError(f"{address} serves a {config.get('model_type')!r} model; the vLLM "
-                         f"client sends processed images to {' or '.join(IDEFICS3_TYPES)} "
-                         "models only: serve one of those, or this model with our engine "
-                         "(rollout.backend local)")
-    return int(config["image_token_id"]), int(config["tokens_per_tile"])
+@dataclass(frozen=True)
+class ImageLayout:
+    """How a served model's prompt stands for its images: `tokens_per_tile` image tokens
+    per tile (Idefics3), or per image its grid's patches over `merge_size`^2 (Qwen2-VL)."""
+
+    image_token_id: int
+    tokens_per_tile: int = 0
+    merge_size: int = 0
 
 
-def image_features(input_ids: list[int], images: ImageInputs, image_token_id: int,
-                   tokens_per_tile: int, rid: str = "") -> dict[str, Any]:
+def image_layout(config: dict[str, Any], address: str) -> ImageLayout:
+    """The image layout of the model a vLLM server serves, from its worker's report
+    (`WeightSyncExtension.asyncrl_image_layout`); ValueError for a model whose vLLM
+    implementation takes other image tensors."""
+    kind = config.get("model_type")
+    if kind in IDEFICS3_TYPES:
+        return ImageLayout(int(config["image_token_id"]),
+                           tokens_per_tile=int(config["tokens_per_tile"]))
+    if kind in QWEN_VL_TYPES:
+        return ImageLayout(int(config["image_token_id"]), merge_size=int(config["merge_size"]))
+    raise ValueError(f"{address} serves a {kind!r} model; the vLLM client sends processed "
+                     f"images to {', '.join(IDEFICS3_TYPES + QWEN_VL_TYPES)} models only: "
+                     "serve one of those, or this model with our engine (allocation_mode "
+                     "local:...)")
+
+
+def image_features(input_ids: list[int], images: ImageInputs, layout: ImageLayout,
+                   rid: str = "") -> dict[str, Any]:
     """The generate route's `features` for a prompt's `images`; ValueError if the prompt's
-    image tokens do not stand for exactly the images' tiles."""
-    runs = image_token_runs(input_ids, image_token_id)
+    image tokens do not stand for exactly the images' items."""
+    runs = image_token_runs(input_ids, layout.image_token_id)
+    if layout.merge_size:
+        return _grid_features(runs, images, layout, rid)
+    tokens_per_tile = layout.tokens_per_tile
     n_tokens = sum(length for _, length in runs)
-    if n_tokens != images.n_tiles * tokens_per_tile or any(
+    if images.image_grid_thw is not None or n_tokens != images.n_items * tokens_per_tile or any(
             length % tokens_per_tile for _, length in runs):
         raise ValueError(
-            f"request {rid}: its prompt has {n_tokens} image tokens (id {image_token_id}) in "
-            f"runs of {[length for _, length in runs]}, but its {images.n_tiles} image tiles "
-            f"take {tokens_per_tile} tokens each; build the prompt and the images with the "
-            "served model's processor, one call for both")
+            f"request {rid}: its prompt has {n_tokens} image tokens (id "
+            f"{layout.image_token_id}) in runs of {[length for _, length in runs]}, but its "
+            f"{images.n_items} image tiles take {tokens_per_tile} tokens each; build the "
+            "prompt and the images with the served model's processor, one call for both")
     mask = images.pixel_attention_mask
     if mask is None:
-        mask = torch.ones(images.n_tiles, *images.pixel_values.shape[2:], dtype=torch.bool)
+        mask = torch.ones(images.n_items, *images.pixel_values.shape[2:], dtype=torch.bool)
     hashes, placeholders, items = [], [], []
     tile = 0
     for offset, length in runs:
@@ -73,6 +98,40 @@ def image_features(input_ids: list[int], images: ImageInputs, image_token_id: in
         hashes.append(_item_hash(pixels, pixel_mask))
         placeholders.append({"offset": offset, "length": length})
         items.append(base64.b64encode(_pack(_kwargs_item(pixels, pixel_mask))).decode())
+    return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": placeholders},
+            "kwargs_data": {"image": items}}
+
+
+def _grid_features(runs: list[tuple[int, int]], images: ImageInputs, layout: ImageLayout,
+                   rid: str) -> dict[str, Any]:
+    """`image_features` for Qwen2-VL's family: one item per image, whose tokens are one run
+    (its own, or the start of a run that the next image's tokens continue)."""
+    grid = images.image_grid_thw
+    counts = [] if grid is None else (grid.prod(-1) // layout.merge_size ** 2).tolist()
+    starts: list[int] = []
+    for offset, length in runs:
+        while length > 0 and len(starts) < len(counts):
+            n = counts[len(starts)]
+            if n > length:
+                break
+            starts.append(offset)
+            offset, length = offset + n, length - n
+        if length:
+            starts = []
+            break
+    if grid is None or len(starts) != len(counts):
+        raise ValueError(
+            f"request {rid}: its prompt has image tokens (id {layout.image_token_id}) in runs "
+            f"of {[length for _, length in runs]}, but its images "
+            f"{'have no image_grid_thw' if grid is None else grid.tolist()} take "
+            f"{counts} tokens each (t * h * w / {layout.merge_size}^2); build the prompt and "
+            "the images with the served model's processor, one call for both")
+    hashes, placeholders, items = [], [], []
+    for k, (offset, n) in enumerate(zip(starts, counts)):
+        image = images.items(k, k + 1)
+        hashes.append(_item_hash(image.pixel_values, image.image_grid_thw))
+        placeholders.append({"offset": offset, "length": n})
+        items.append(base64.b64encode(_pack(_grid_item(image))).decode())
     return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": placeholders},
             "kwargs_data": {"image": items}}
 
@@ -90,14 +149,25 @@ def image_token_runs(input_ids: list[int], image_token_id: int) -> list[tuple[in
     return runs
 
 
-def _item_hash(pixels: torch.Tensor, mask: torch.Tensor) -> str:
+def _item_hash(*tensors: torch.Tensor) -> str:
     """Names an item by its content: equal tiles share vLLM's cached encoder outputs (a
     weight update clears that cache)."""
     h = hashlib.sha256()
-    for t in (pixels, mask):
+    for t in tensors:
         h.update(str(list(t.shape)).encode())
         h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _grid_item(image: ImageInputs) -> dict[str, Any]:
+    """One image of Qwen2-VL's family as a MultiModalKwargsItem (see `_kwargs_item`)."""
+    n = image.pixel_values.shape[0]
+    flat = ("flat", {"keep_on_cpu": False, "slices": [[[0, n, None]]], "dim": 0})
+    return {
+        "pixel_values": {"data": _tensor(image.pixel_values.float()), "field": flat},
+        "image_grid_thw": {"data": _tensor(image.image_grid_thw[0].long()),
+                           "field": ("batched", {"keep_on_cpu": True})},
+    }
 
 
 def _kwargs_item(pixels: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:

@@ -38,7 +38,8 @@ class WeightSyncExtension:
     def asyncrl_image_layout(self) -> dict[str, Any]:
         """The served model's type and, for an Idefics3-like model, its image token id and
         image tokens per tile (the vision encoder's patches per tile, merged by the
-        connector's scale factor in each direction)."""
+        connector's scale factor in each direction); for Qwen2-VL's family its image token
+        id and the merge size of patches in each direction."""
         config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
         out: dict[str, Any] = {"model_type": config.model_type}
         vision = getattr(config, "vision_config", None)
@@ -46,6 +47,9 @@ class WeightSyncExtension:
             patches = (vision.image_size // vision.patch_size) ** 2
             out.update(image_token_id=config.image_token_id,
                        tokens_per_tile=patches // config.scale_factor ** 2)
+        elif hasattr(config, "image_token_id") and hasattr(vision, "spatial_merge_size"):
+            out.update(image_token_id=config.image_token_id,
+                       merge_size=vision.spatial_merge_size)
         return out
 
 

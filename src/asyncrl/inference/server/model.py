@@ -105,6 +105,12 @@ class ModelConfig:
     def from_hf(cls, c: dict[str, Any]) -> ModelConfig:
         """Parse an HF config.json dict; unsupported architectures or options raise."""
         model_type = c.get("model_type")
+        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+            raise NotImplementedError(
+                f"model_type {model_type!r}: the local engine does not serve Qwen's "
+                "vision-language models (their decoder's rotary positions are three-"
+                "dimensional, M-RoPE); serve it with vLLM or SGLang (allocation_mode "
+                "vllm:d<N>+fsdp:d<M> or sglang:d<N>+fsdp:d<M>)")
         if model_type not in _ARCHS:
             raise NotImplementedError(
                 f"model_type {model_type!r} is not supported by the local engine "

@@ -101,10 +101,10 @@ class VisionEncoder:
             raise ValueError(f"images: tiles of {channels} x {h} x {w} pixels, but the model "
                              f"takes 3 x {self.tile_size} x {self.tile_size}; make them with "
                              "the model's image processor")
-        expected = images.n_tiles * self.tokens_per_tile
+        expected = images.n_items * self.tokens_per_tile
         if n_image_tokens != expected:
             raise ValueError(f"input_ids holds {n_image_tokens} image tokens (id "
-                             f"{self.image_token_id}) but {images.n_tiles} image tiles give "
+                             f"{self.image_token_id}) but {images.n_items} image tiles give "
                              f"{expected} features ({self.tokens_per_tile} a tile); the "
                              "prompt and the images must come from one processor call")
 

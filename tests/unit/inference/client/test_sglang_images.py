@@ -55,3 +55,14 @@ def test_a_text_prompt_sends_no_image_data():
     req = GenerationRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=8))
     assert "image_data" not in generate_body(req, [])
     assert SGLangClient.serves_images
+
+
+def test_qwen_images_go_as_patches_and_grids():
+    grid = torch.tensor([[1, 2, 4], [1, 4, 4]])
+    images = ImageInputs(pixel_values=torch.arange(24 * 12, dtype=torch.float32).view(24, 12),
+                         image_grid_thw=grid)
+    req = GenerationRequest(input_ids=[1, 9, 9, 2, 9, 9, 9, 9, 2], images=images,
+                            sampling=SamplingParams(max_new_tokens=4))
+    item = json.loads(json.dumps(generate_body(req, [])))["image_data"][0]
+    assert item == {"format": "processor_output", "pixel_values": images.pixel_values.tolist(),
+                    "image_grid_thw": [[1, 2, 4], [1, 4, 4]]}

@@ -72,7 +72,7 @@ def test_prefill_logits_with_image_features_match_hf_whole_model(vlm):
     vision = new_engine(vlm).vision
     tokens = torch.tensor([ids])
     mask = tokens == vision.image_token_id
-    assert int(mask.sum()) == images.n_tiles * 4  # 4 image tokens per 32-pixel tile
+    assert int(mask.sum()) == images.n_items * 4  # 4 image tokens per 32-pixel tile
     logits = model.prefill(tokens, torch.tensor([len(ids)]), model.new_cache(1, 128), 0,
                            all_logits=True, embeds=(mask, vision.embed(images)))[0]
     reference = hf_logits(vlm, ids, images)

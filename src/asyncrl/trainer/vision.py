@@ -1,0 +1,78 @@
+"""Where a vision-language model's image features go in the trainer's forward.
+
+Each row's prompt image tokens take its images' features, in order: the first (features)
+image tokens of the row. An image token the model sampled later in the row is embedded as
+a token, as the inference servers embed it.
+
+Tiles (Idefics3 / SmolVLM): the features replace the image tokens' embeddings; positions
+are the text's. Patches (Qwen2-VL / Qwen2.5-VL): each image is t x h x w merged patches
+(its grid divided by the merge size in height and width), and the decoder's rotary
+positions are three-dimensional (M-RoPE): a text token has (p, p, p), one past its
+predecessor's largest; an image's tokens, starting at p, have (p + t_i, p + h_i, p + w_i)
+for their place in its grid, and the text after it starts at p + max(t, h, w). vLLM's
+`get_mrope_input_positions` and HF's `get_rope_index` compute the same positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.api.types import ImageInputs
+
+# The model types whose images come as patches with grids, placed as the module doc says.
+GRID_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def prompt_image_mask(input_ids: torch.Tensor, image_token_id: int,
+                      per_row: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: each row's first `per_row[b]` image tokens; ValueError naming a row
+    that has fewer."""
+    is_image = input_ids == image_token_id
+    mask = is_image & (is_image.cumsum(-1) <= per_row[:, None])
+    placed = mask.sum(-1)
+    if not torch.equal(placed, per_row):
+        bad = int((placed != per_row).nonzero()[0, 0])
+        raise ValueError(f"row {bad} of the batch has {int(placed[bad])} image tokens for "
+                         f"{int(per_row[bad])} image features: its prompt and images must "
+                         "come from one processor call")
+    return mask
+
+
+def merged_grids(images: ImageInputs, merge: int) -> torch.Tensor:
+    """long [images, 3]: each image's grid of image tokens (t, h / merge, w / merge)."""
+    grid = images.image_grid_thw
+    if bool((grid[:, 1:] % merge).any()):
+        raise ValueError(f"image_grid_thw {grid.tolist()} has heights or widths that are not "
+                         f"multiples of the merge size {merge}: the images come from another "
+                         "model's processor")
+    return torch.cat([grid[:, :1], grid[:, 1:] // merge], dim=1)
+
+
+def mrope_positions(attention_mask: torch.Tensor, image_mask: torch.Tensor,
+                    image_rows: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """long [3, B, T]: the M-RoPE positions of right-padded rows (the module doc) whose
+    image tokens are `image_mask`; image i belongs to row `image_rows[i]` and has the
+    token grid `grids[i]`. Padding positions are 0."""
+    batch, width = attention_mask.shape
+    out = torch.zeros(3, batch, width, dtype=torch.long, device=attention_mask.device)
+    grids, rows = grids.tolist(), image_rows.tolist()
+    lengths = attention_mask.sum(-1).tolist()
+    for b in range(batch):
+        starts = image_mask[b].nonzero()[:, 0].tolist()
+        pieces, pos, at, k = [], 0, 0, 0
+        for i in (i for i, r in enumerate(rows) if r == b):
+            t, h, w = grids[i]
+            start = starts[k]
+            k += t * h * w
+            text = start - at
+            pieces.append(torch.arange(text).expand(3, text) + pos)
+            pos += text
+            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                        indexing="ij")
+            pieces.append(torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos)
+            pos += max(t, h, w)
+            at = start + t * h * w
+        text = int(lengths[b]) - at
+        pieces.append(torch.arange(text).expand(3, text) + pos)
+        out[:, b, :int(lengths[b])] = torch.cat(pieces, dim=1).to(out.device)
+    return out
