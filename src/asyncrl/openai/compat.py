@@ -183,7 +183,8 @@ RESPONSES: Table = {
 }
 
 RESPONSES_ITEMS: Table = {
-    "message": tr("roles user, system, developer, assistant; text parts"),
+    "message": tr("roles user, system, developer, assistant; text parts, and in user turns "
+                  "input_image parts (a data URL; no file_id) for a vision-language model"),
     "function_call": tr("joined to the assistant turn before it"),
     "function_call_output": tr("a tool turn"),
     "reasoning": ign("another model's reasoning; the served model has no reasoning channel, "

@@ -137,7 +137,36 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if role not in _MESSAGE_ROLES:
         raise OpenAIError(f"{where}.role must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}",
                           param=f"{where}.role")
-    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+    content = item.get("content")
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
+                                         for p in content):
+        return {"role": role, "content": _parts(content, f"{where}.content", role)}
+    return {"role": role, "content": _text(content, f"{where}.content")}
+
+
+def _parts(content: list[Any], where: str, role: str) -> list[dict[str, Any]]:
+    """Text and input_image parts as chat's text and image_url parts (the chat layer reads
+    the images, or refuses them for a model that reads text only)."""
+    out = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if role != "user":
+                raise OpenAIError(f"{at}: input_image parts are for user messages", param=at)
+            if part.get("file_id") is not None:
+                raise OpenAIError(f"{at}.file_id: this server stores no files; inline the "
+                                  "image as image_url: data:image/png;base64,<its bytes>",
+                                  param=f"{at}.file_id")
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise OpenAIError(f"{at}.image_url must be a string: a data URL",
+                                  param=f"{at}.image_url")
+            # detail (low / high / auto) sets an image's token budget in OpenAI's models;
+            # here the model's processor fixes it
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            out.append({"type": "text", "text": _text_part(part, at)})
+    return out
 
 
 def _text(content: Any, where: str) -> str:
@@ -146,15 +175,16 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise OpenAIError(f"{where} must be a string or a list of text parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(
-                part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise OpenAIError(f"{where}[{j}] is a {kind!r} part; only input_text and "
-                              "output_text parts are supported", param=f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_text_part(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(
+            part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise OpenAIError(f"{where} is a {kind!r} part; only input_text, output_text and "
+                          "(user turns) input_image parts are supported", param=where)
+    return part["text"]
 
 
 def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:

@@ -119,6 +119,35 @@ def test_anthropic_image_block_gives_the_same_prompt_as_the_chat_part(server):
     assert count.json()["input_tokens"] == len(chat_ids)
 
 
+def test_responses_input_image_gives_the_same_prompt_as_the_chat_part(server):
+    url, backend = server
+    image, data = png(size=(32, 48), color=(10, 200, 30))
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "count: "},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}]}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    chat_req = backend.served[-1][0]
+    body = {"model": MODEL, "max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "count: "},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{data}",
+         "detail": "auto"}]}]}
+    r = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    req = backend.served[-1][0]
+    assert req.input_ids == chat_req.input_ids
+    assert torch.equal(req.images.pixel_values, chat_req.images.pixel_values)
+    # a stored file or an image in the model's own turn cannot be honoured: 400s naming them
+    for part, role, param in [({"type": "input_image", "file_id": "file-1"}, "user",
+                               "input[0].content[0].file_id"),
+                              ({"type": "input_image", "image_url": f"data:image/png;base64,"
+                                f"{data}"}, "assistant", "input[0].content[0]")]:
+        n = len(backend.served)
+        bad = {"model": MODEL, "input": [{"role": role, "content": [part]}]}
+        r = httpx.post(f"{url}/v1/responses", json=bad, timeout=60)
+        assert r.status_code == 400 and len(backend.served) == n
+        assert r.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize("path,content,param,says", [
     ("/v1/chat/completions",
      [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],

@@ -232,7 +232,8 @@ def test_responses_route_output_validates_against_the_sdk_model(answer):
 @pytest.mark.parametrize("extra,param", [
     ({"frobnicate": 1}, "frobnicate"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     "input[0].content[0].image_url"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
 ])
