@@ -400,6 +400,15 @@ class EvaluatorConfig:
     # Evaluate the final weights after the last step.
     after_training: bool = True
     max_new_tokens: Optional[int] = None  # None: gconfig.max_new_tokens
+    # Items an evaluation keeps in flight at most. None: a server's batch
+    # (local_engine.max_batch_size; beside training, what the rollout leaves of it). Agent
+    # sessions of many turns each on a slow machine finish within agent.timeout only if
+    # few run at once.
+    max_concurrent: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_concurrent is None or self.max_concurrent >= 1,
+               f"evaluator.max_concurrent must be >= 1 or null, got {self.max_concurrent}")
 
 
 @dataclass(kw_only=True)

@@ -259,10 +259,8 @@ class RLTrainer:
             name = f"eval_step{step}"
         else:
             return
-        batch_samples = self.cfg.rollout.consumer_batch_size * self.cfg.gconfig.n_samples
         self._running_evals.append(self._start_evaluate(
-            step, name, version=step,
-            concurrency=eval_concurrency(self.cfg.local_engine.max_batch_size, batch_samples)))
+            step, name, version=step, concurrency=eval_in_flight(self.cfg, beside_training=True)))
 
     def _evaluations_before_publish(self) -> concurrent.futures.Future | None:
         """Log the evaluations that the coming settle or publish would change the weights of
@@ -324,7 +322,7 @@ class RLTrainer:
     def _start_evaluate(self, step: int, name: str, concurrency: int | None = None,
                         version: int | None = None) -> _Evaluation:
         """Start evaluating on the rollout loop; `finish` on the result waits and logs it.
-        `concurrency`: items in flight (default: a server's batch, local_engine's).
+        `concurrency`: items in flight (default: `eval_in_flight` alone).
         `version`: start once the servers hold it (a load of it may still run)."""
         async def timed() -> EvalResult:
             while version is not None and self.rollout.version < version:
@@ -332,7 +330,7 @@ class RLTrainer:
             with self.timeline.span("evaluator", "eval"):
                 return await evaluate(
                     self.engine, self.eval_workflow, self.valid_items,
-                    concurrency=concurrency or self.cfg.local_engine.max_batch_size)
+                    concurrency=concurrency or eval_in_flight(self.cfg, beside_training=False))
 
         future = self.rollout.submit_coroutine(timed())
 
@@ -397,6 +395,17 @@ def eval_concurrency(server_batch: int, batch_samples: int) -> int:
     The trainer waits for an evaluation after two steps and the rollout then stops, so an
     evaluation squeezed to a few slots would leave the servers idle while everyone waits."""
     return max(server_batch // 2, server_batch - batch_samples, 1)
+
+
+def eval_in_flight(cfg: ExperimentConfig, *, beside_training: bool) -> int:
+    """Items an evaluation keeps in flight: a server's batch, or beside training
+    `eval_concurrency`; at most evaluator.max_concurrent."""
+    server_batch = cfg.local_engine.max_batch_size
+    n = server_batch
+    if beside_training:
+        n = eval_concurrency(server_batch, cfg.rollout.consumer_batch_size * cfg.gconfig.n_samples)
+    limit = cfg.evaluator.max_concurrent
+    return n if limit is None else min(n, limit)
 
 
 @dataclass

@@ -11,7 +11,8 @@ from asyncrl.api import Trajectory
 from asyncrl.cli import main
 from asyncrl.config.schema import DatasetConfig
 from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, table, write_outputs
-from asyncrl.controller.rl import eval_concurrency
+from asyncrl.config import load_config
+from asyncrl.controller.rl import eval_concurrency, eval_in_flight
 from asyncrl.controller.rollout.evaluate import evaluate
 from asyncrl.rewards.gsm8k import extract_final_answer
 
@@ -192,3 +193,23 @@ def test_an_adapter_folder_is_evaluated_merged_into_its_base(tmp_path):
 ])
 def test_eval_concurrency_keeps_half_the_servers_batch(server_batch, batch_samples, expected):
     assert eval_concurrency(server_batch, batch_samples) == expected
+
+
+CUSTOMER_SERVICE = Path(__file__).parents[3] / "examples/agents/customer_service/customer_service_cpu.yaml"
+
+
+@pytest.mark.parametrize("overrides, before, beside", [
+    # batch 64, 8 tasks x 4 sessions in training: 64 alone, 64 - 32 = 32 beside training
+    ([], 64, 32),
+    (["evaluator.max_concurrent=8"], 8, 8),
+    (["evaluator.max_concurrent=48"], 48, 32),
+])
+def test_evaluator_max_concurrent_caps_the_items_in_flight(overrides, before, beside):
+    cfg = load_config(CUSTOMER_SERVICE, ["evaluator.max_concurrent=null", *overrides])
+    assert eval_in_flight(cfg, beside_training=False) == before
+    assert eval_in_flight(cfg, beside_training=True) == beside
+
+
+def test_evaluator_max_concurrent_below_one_is_refused():
+    with pytest.raises(ValueError, match="evaluator.max_concurrent must be >= 1 or null, got 0"):
+        load_config(CUSTOMER_SERVICE, ["evaluator.max_concurrent=0"])
