@@ -54,15 +54,17 @@ def mrope_positions(attention_mask: torch.Tensor, image_mask: torch.Tensor,
     image tokens are `image_mask`; image i belongs to row `image_rows[i]` and has the
     token grid `grids[i]`. Padding positions are 0."""
     batch, width = attention_mask.shape
-    out = torch.zeros(3, batch, width, dtype=torch.long, device=attention_mask.device)
+    out = torch.zeros(3, batch, width, dtype=torch.long)
     grids, rows = grids.tolist(), image_rows.tolist()
     lengths = attention_mask.sum(-1).tolist()
+    starts: list[list[int]] = [[] for _ in range(batch)]
+    for b, t in image_mask.nonzero().tolist():  # one copy to the host for all rows
+        starts[b].append(t)
     for b in range(batch):
-        starts = image_mask[b].nonzero()[:, 0].tolist()
         pieces, pos, at, k = [], 0, 0, 0
         for i in (i for i, r in enumerate(rows) if r == b):
             t, h, w = grids[i]
-            start = starts[k]
+            start = starts[b][k]
             k += t * h * w
             text = start - at
             pieces.append(torch.arange(text).expand(3, text) + pos)
@@ -74,5 +76,5 @@ def mrope_positions(attention_mask: torch.Tensor, image_mask: torch.Tensor,
             at = start + t * h * w
         text = int(lengths[b]) - at
         pieces.append(torch.arange(text).expand(3, text) + pos)
-        out[:, b, :int(lengths[b])] = torch.cat(pieces, dim=1).to(out.device)
-    return out
+        out[:, b, :int(lengths[b])] = torch.cat(pieces, dim=1)
+    return out.to(attention_mask.device)
