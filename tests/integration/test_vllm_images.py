@@ -79,15 +79,23 @@ def image_prompt(path: str, size=(40, 24), color=(200, 10, 30)):
 def hf_logprobs(path: str, prompt: list[int], output: list[int],
                 images: ImageInputs | None) -> torch.Tensor:
     """HF's whole model: log_softmax(logits) of each `output` token after the prompt (with
-    `images`' pixels; None: the text alone) and the outputs before it."""
+    `images`' pixels; None: the text alone) and the outputs before it. The image features
+    replace the prompt's image tokens; an image token the model sampled is embedded as a
+    token, as the servers embed it (HF's own forward would count it as one more image slot)."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    kwargs = {} if images is None else dict(
-        pixel_values=images.pixel_values[None],
-        pixel_attention_mask=images.pixel_attention_mask[None])
+    ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + output]), **kwargs).logits[0]
+        embeds = model.get_input_embeddings()(ids)
+        if images is not None:
+            features = model.model.get_image_features(
+                images.pixel_values[None], images.pixel_attention_mask[None]).pooler_output
+            features = features.reshape(-1, embeds.shape[-1])
+            slots = (torch.tensor(prompt) == model.config.image_token_id).nonzero()[:, 0]
+            assert len(slots) == features.shape[0]
+            embeds[0, slots] = features
+        logits = model(inputs_embeds=embeds).logits[0]
     lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return lp.gather(-1, torch.tensor(output)[:, None])[:, 0]
 
