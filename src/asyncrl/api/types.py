@@ -184,9 +184,9 @@ class ImageInputs:
                 other.n_items > self.n_items:
             return False
         head = self.items(0, other.n_items)
-        return all(torch.equal(a, b) if a is not None and b is not None else a is b
-                   for a, b in ((head.pixel_values, other.pixel_values),
-                                (head.image_grid_thw, other.image_grid_thw)))
+        return torch.equal(head.pixel_values, other.pixel_values) and (
+            other.image_grid_thw is None
+            or torch.equal(head.image_grid_thw, other.image_grid_thw))
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON: each tensor's shape and little-endian bytes in base64."""
@@ -505,14 +505,20 @@ class TensorBatch:
         out = TensorBatch(**{name: take(getattr(self, name)) for name in self.__dataclass_fields__
                              if name not in _IMAGE_FIELDS})
         if self.image_rows is not None:
-            images = self.images
             items = [(self.image_rows == int(r)).nonzero()[:, 0] for r in idx]
-            kept = [images.items(int(i), int(i) + 1) for t in items for i in t]
-            if kept:
-                cat = ImageInputs.cat(kept)
-                out.pixel_values = cat.pixel_values
-                out.pixel_attention_mask = cat.pixel_attention_mask
-                out.image_grid_thw = cat.image_grid_thw
+            order = torch.cat(items)
+            if len(order):
+                # the rows of pixel_values each kept item takes (a tile: one; an image: its
+                # patches)
+                sizes = torch.tensor(self.images.item_sizes())
+                starts = sizes.cumsum(0) - sizes
+                rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i]))
+                                  for i in order])
+                out.pixel_values = self.pixel_values[rows]
+                if self.pixel_attention_mask is not None:
+                    out.pixel_attention_mask = self.pixel_attention_mask[rows]
+                if self.image_grid_thw is not None:
+                    out.image_grid_thw = self.image_grid_thw[order]
                 out.image_rows = torch.cat([torch.full((len(t),), k, dtype=torch.long)
                                             for k, t in enumerate(items)])
         return out

@@ -45,7 +45,7 @@ from asyncrl.api.types import ImageInputs, TensorBatch
 from asyncrl.config.allocation import check_lora_layout
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.models.hub import resolve_model_path
-from asyncrl.openai.images import load_image_prompts
+from asyncrl.models.processors import QWEN_VL_TYPES, load_processor
 from asyncrl.trainer import checkpoint, experts, lora, parallel, vision
 from asyncrl.trainer.cpu import grad_ops, heap, precision
 from asyncrl.trainer.cpu.attention import NAME as TRIE_ATTENTION
@@ -163,10 +163,10 @@ class TokenLogprobModel(nn.Module):
             mask = vision.prompt_image_mask(input_ids, config.image_token_id, per_row)
             return embeds.masked_scatter(
                 mask[..., None], features.reshape(-1, features.shape[-1]).to(embeds.dtype))
-        if config.model_type not in vision.GRID_TYPES:
+        if config.model_type not in QWEN_VL_TYPES:
             raise NotImplementedError(
                 f"images with image_grid_thw for a {config.model_type!r} model: the trainer "
-                f"places them for {', '.join(vision.GRID_TYPES)} (Qwen3-VL also feeds image "
+                f"places them for {', '.join(QWEN_VL_TYPES)} (Qwen3-VL also feeds image "
                 "features to inner decoder layers, which it does not do)")
         grids = vision.merged_grids(images, config.vision_config.spatial_merge_size)
         out = self.hf.get_image_features(images.pixel_values, images.image_grid_thw)
@@ -396,8 +396,7 @@ class FSDPTrainEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # a vision-language model's processor, saved with its weights
         if hasattr(hf_model.config, "vision_config"):
-            images = load_image_prompts(path)
-            self.processor = None if images is None else images.processor
+            self.processor = load_processor(path)
         self._tied = checkpoint.tied_aliases(hf_model)
         if self.spec.gradient_checkpointing:
             # Non-reentrant checkpointing is the kind that composes with FSDP2's hooks.

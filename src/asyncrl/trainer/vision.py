@@ -19,9 +19,6 @@ import torch
 
 from asyncrl.api.types import ImageInputs
 
-# The model types whose images come as patches with grids, placed as the module doc says.
-GRID_TYPES = ("qwen2_vl", "qwen2_5_vl")
-
 
 def prompt_image_mask(input_ids: torch.Tensor, image_token_id: int,
                       per_row: torch.Tensor) -> torch.Tensor:

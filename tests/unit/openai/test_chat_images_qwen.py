@@ -65,3 +65,12 @@ def test_dataset_items_image_goes_first_in_the_user_turn(qwen_vl):
                                    "images": [Image.new("RGB", (40, 24), (0, 0, 255))]})
     assert tok.convert_ids_to_tokens(ids) == expected_tokens("", "howĠmany?")
     assert images.image_grid_thw.tolist() == [[1, 6, 10]]
+
+
+def test_our_engine_refuses_qwen_vl_naming_the_backends_that_serve_it(qwen_vl):
+    from asyncrl.config.schema import LocalEngineConfig
+    from asyncrl.inference.server.engine import LocalEngine
+
+    with pytest.raises(NotImplementedError, match=r"'qwen2_5_vl'.*M-RoPE.*vLLM or SGLang"):
+        LocalEngine(qwen_vl, LocalEngineConfig(dtype="float32", max_batch_size=2,
+                                               max_seq_len=256))

@@ -5,13 +5,13 @@ Endpoints used (the server needs VLLM_SERVER_DEV_MODE=1 for /collective_rpc):
   `choices[0].token_ids` and `choices[0].logprobs.token_logprobs` are the sampled tokens and
   their log-probs (the server runs with --logprobs-mode processed_logprobs, so they are
   log_softmax(logits / T), as the trainer recomputes them).
-- A prompt with images (an Idefics3-like model; the server is started with
-  --enable-scale-out): POST /inference/v1/generate {"token_ids", "features",
+- A prompt with images (an Idefics3-like or Qwen2-VL-like model; the server is started
+  with --enable-scale-out): POST /inference/v1/generate {"token_ids", "features",
   "sampling_params"} with the processed images in `features` (vllm_images.py), answering
-  `choices[0].token_ids` and `choices[0].logprobs.content[i].logprob`. The image token id
-  and tokens per tile come once per server from POST /collective_rpc
-  {"method": "asyncrl_image_layout"}. A weight reload clears vLLM's cache of image
-  features, so an image is encoded again by the new vision tower.
+  `choices[0].token_ids` and `choices[0].logprobs.content[i].logprob`. The image layout
+  (image token id, and tokens per tile or the patch merge size) comes once per server from
+  POST /collective_rpc {"method": "asyncrl_image_layout"}. A weight reload clears vLLM's
+  cache of image features, so an image is encoded again by the new vision tower.
 - POST /pause?mode=abort: every request in flight ends with finish_reason "abort" and the
   tokens it has; new requests wait until /resume. mode=keep freezes them instead.
 - POST /collective_rpc {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": folder}}:
@@ -78,7 +78,7 @@ class VLLMClient(ResubmittingClient):
     """Routes generations to vLLM servers; a weight update aborts, reloads and resubmits."""
 
     backend = "vllm"
-    serves_images = True  # Idefics3-like models, through /inference/v1/generate
+    serves_images = True  # Idefics3- and Qwen2-VL-like models, through /inference/v1/generate
 
     def __init__(self, addresses: list[str], **kwargs) -> None:
         super().__init__(addresses, **kwargs)

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from asyncrl.api.types import ImageInputs
+from asyncrl.models.processors import QWEN_VL_TYPES
 
 # The model types whose vLLM implementation takes the tensors above.
 IDEFICS3_TYPES = ("idefics3", "smolvlm")
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _RAW_VIEW = 3  # vLLM's msgpack extension type of a tensor's raw bytes (CUSTOM_TYPE_RAW_VIEW)
 
 

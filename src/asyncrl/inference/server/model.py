@@ -41,6 +41,7 @@ from asyncrl.inference.server.cpu_decode import (
     huge_zeros,
 )
 from asyncrl.models import safetensors_file
+from asyncrl.models.processors import QWEN_VL_TYPES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -105,7 +106,7 @@ class ModelConfig:
     def from_hf(cls, c: dict[str, Any]) -> ModelConfig:
         """Parse an HF config.json dict; unsupported architectures or options raise."""
         model_type = c.get("model_type")
-        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        if model_type in (*QWEN_VL_TYPES, "qwen3_vl"):
             raise NotImplementedError(
                 f"model_type {model_type!r}: the local engine does not serve Qwen's "
                 "vision-language models (their decoder's rotary positions are three-"
