@@ -25,7 +25,10 @@ from asyncrl.agents.customer_service import (
 )
 from asyncrl.agents.user import ModelUser, ScriptedUser
 
-MAX_TOKENS = 64  # per model call: a lead-in sentence and one call, or one message
+# Per model call: a lead-in sentence and one call, or one message. The longest worked
+# message (an address change and its call) is 67 SmolLM2 tokens; a budget below that cuts
+# the call off and no address change can succeed.
+MAX_TOKENS = 96
 MAX_MODEL_CALLS = 6  # lookup, ask, act, report and two spare
 MAX_USER_TURNS = 3
 

@@ -173,6 +173,7 @@ def _single(c: Completion, reward: float, group_id: str, meta: dict[str, Any], *
         behavior_logprobs=[0.0] * n + list(c.logprobs), versions=[-1] * n + list(c.versions),
         reward=reward, group_id=group_id, stop_reason=c.stop_reason, images=c.images,
         meta={**meta, "completion_ids": [c.id], "turns": [turn], "n_turns": 1,
+              "truncated_turns": int(c.stop_reason == StopReason.LENGTH),
               "turn_spans": [[n, n + len(c.output_ids)]], "drift": drift})
 
 
@@ -195,4 +196,7 @@ def _merged(path: list[Completion], reward: float, group_id: str, meta: dict[str
                       versions=versions, reward=reward, group_id=group_id,
                       stop_reason=leaf.stop_reason, images=leaf.images,  # every turn's
                       meta={**meta, "completion_ids": [c.id for c in path], "turns": turns,
-                            "n_turns": len(path), "turn_spans": spans, "drift": False})
+                            "n_turns": len(path), "turn_spans": spans, "drift": False,
+                            # turns cut at max_new_tokens (a tool call cut off is lost)
+                            "truncated_turns": sum(c.stop_reason == StopReason.LENGTH
+                                                   for c in path)})

@@ -5,9 +5,10 @@ four ways to lose them:
 
 - flat groups: every prompt's samples got one reward (the batch has several): with
   group-relative advantages (GRPO's) every advantage is 0, and so is the gradient;
-- a constant batch: every sample of the batch got the same reward (all 0, say): the reward
-  function, the prompt template or the answer format is likely wrong; if earlier batches of
-  the run had other rewards, the rewards are rare instead, and the warning says so;
+- a constant batch: every sample of the batch got the same reward: all 0, say, and the reward
+  function, the prompt template or the answer format is likely wrong; all the best reward,
+  and the items are already solved; if earlier batches of the run had other rewards, the
+  rewards are rare instead, and the warning says so;
 - truncation: (nearly) every answer was cut at gconfig.max_new_tokens;
 - reward failures: the reward function raised (or timed out) for most episodes. Those
   episodes are not trained on (never scored 0); each is in <run>/failures.jsonl.
@@ -130,8 +131,10 @@ class HealthMonitor:
                  f"{sample['completion'][:QUOTE_CHARS]!r}, reward {sample['reward']:g}."
                  if sample else "")
         return (f"every sample got reward {reward:g}, so no answer is preferred to "
-                "another: the reward function, the prompt template (workflow.system_prompt, "
-                "few_shot) or the answer format it expects is likely wrong." + shown)
+                f"another. If {reward:g} is the reward's best value, the model already solves "
+                "these items: train on harder ones (or from a weaker start). Otherwise the "
+                "reward function, the prompt template (workflow.system_prompt, few_shot) or "
+                "the answer format it expects is likely wrong." + shown)
 
     @staticmethod
     def _flat_groups(s: StepSignals) -> str | None:

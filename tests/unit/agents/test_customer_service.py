@@ -208,6 +208,39 @@ def test_the_scripted_customer_gives_its_address_only_when_asked():
     assert scripted_reply(parse_task(CANCEL_OK))("What is the new address?") == THANKS
 
 
+def _make_sft_data():
+    import importlib.util
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[3] / \
+        "examples/agents/customer_service/make_sft_data.py"
+    spec = importlib.util.spec_from_file_location("cs_make_sft_data", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_worked_episode_gives_an_agent_row_and_the_customers_row():
+    from asyncrl.agents.customer_service import POLICY, user_prompt
+    agent_row, customer_row = _make_sft_data().episode(ADDRESS_OK)
+    agent = agent_row["messages"]
+    assert agent[0]["role"] == "system" and agent[0]["content"].startswith(POLICY)
+    assert [m["role"] for m in agent[1:]] == ["user", "assistant", "user", "assistant", "user",
+                                             "assistant", "user", "assistant"]
+    assert agent[-1]["content"] == "The address of order W1111 is now 60 Bridge Street."
+    # The customer's side: its own prompt, the agent's messages as user turns, and the
+    # scripted customer's replies (written out by hand) as the turns to learn.
+    assert customer_row["messages"] == [
+        {"role": "system", "content": user_prompt(parse_task(ADDRESS_OK))},
+        {"role": "assistant", "content": "Hi, about my order."},
+        {"role": "user", "content": "Order W1111 is pending, so its address can be changed. "
+                                    "What is the new address?"},
+        {"role": "assistant", "content": "The new address is 60 Bridge Street."},
+        {"role": "user", "content": "The address of order W1111 is now 60 Bridge Street."},
+        {"role": "assistant", "content": THANKS},
+    ]
+    assert "Your new address is 60 Bridge Street." in customer_row["messages"][0]["content"]
+
+
 # -- task rows and splits --------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ def test_a_constant_batch_warns_with_a_sample_and_not_as_flat_groups(caplog):
     [finding] = monitor.findings
     assert (finding.first_step, finding.last_step) == (4, 6)
     assert "every sample got reward 0" in finding.message
+    assert "If 0 is the reward's best value, the model already solves" in finding.message
     assert "'Calculate 12 + 30.'" in finding.message and "'42'" in finding.message
     [record] = caplog.records  # logged once, with the range when it warned
     assert record.getMessage().startswith("the run cannot learn, steps 4-5: every sample")
