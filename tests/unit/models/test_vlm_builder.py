@@ -32,7 +32,12 @@ def test_text_logits_equal_the_source_lms_and_new_rows_are_the_mean(tmp_path, ti
     ids = torch.tensor([[1, 70, 85, 99, 120, 7, 200]])
     with torch.no_grad():
         want, got = lm(input_ids=ids).logits, vlm(input_ids=ids).logits
-    assert torch.equal(got[..., :vocab], want)
+        hidden = lm.model(input_ids=ids).last_hidden_state
+        vlm_hidden = vlm.model.text_model(input_ids=ids).last_hidden_state
+    # The text model is the source's bit for bit; the head's product over the padded vocab
+    # may round differently from the source's (another matrix shape), within fp32 rounding.
+    assert torch.equal(vlm_hidden, hidden)
+    torch.testing.assert_close(got[..., :vocab], want, atol=1e-6, rtol=0)
     emb = vlm.get_input_embeddings().weight
     src_emb = lm.get_input_embeddings().weight
     assert torch.equal(emb[:vocab], src_emb)
