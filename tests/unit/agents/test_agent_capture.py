@@ -49,14 +49,13 @@ def test_a_branching_conversation_gives_one_trajectory_per_leaf():
 
 
 def test_turns_cut_at_max_new_tokens_are_counted_per_trajectory():
-    from asyncrl.controller.rollout.controller import _truncated_turns
+    from asyncrl.controller.rollout.controller import frac_truncated_turns
     # a -> b -> c along one conversation; a and c were cut at max_new_tokens, b stopped.
     cs = [comp("a", [1, 2], [3]), comp("b", [1, 2, 3, 9], [4]),
           comp("c", [1, 2, 3, 9, 4, 7], [6], reward=1.0)]
     cs[0].stop_reason = cs[2].stop_reason = StopReason.LENGTH
     (merged,) = export(cs, style="tree", discount=1.0, group_id="g").trajectories
     assert (merged.meta["n_turns"], merged.meta["truncated_turns"]) == (3, 2)
-    assert _truncated_turns(merged) == 2
     # Exported one by one, each completion counts itself.
     alone = export(cs, style="individual", discount=1.0, group_id="g").trajectories
     assert [t.meta["truncated_turns"] for t in alone] == [1, 0, 1]
@@ -64,7 +63,9 @@ def test_turns_cut_at_max_new_tokens_are_counted_per_trajectory():
     plain = Trajectory(input_ids=[1, 2], loss_mask=[0, 1], behavior_logprobs=[0.0, -0.1],
                        versions=[-1, 0], reward=0.0, group_id="g",
                        stop_reason=StopReason.LENGTH)
-    assert _truncated_turns(plain) == 1
+    # 2 of the merged trajectory's 3 calls, and the plain one's only call: 3 of 4.
+    assert frac_truncated_turns([merged, plain]) == 0.75
+    assert frac_truncated_turns(alone) == 2 / 3
 
 
 def test_n_choices_of_one_prompt_are_sibling_roots_not_drift():

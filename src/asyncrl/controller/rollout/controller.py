@@ -60,10 +60,13 @@ WAIT_FRACTION = 0.05
 DROP_WARN_GROUPS_PER_BATCH = 10
 
 
-def _truncated_turns(t: Trajectory) -> int:
-    """Model calls of `t` cut at max_new_tokens: an agent's trajectory counts each of its
-    turns (`meta["truncated_turns"]`); any other, its one completion."""
-    return t.meta.get("truncated_turns", int(t.stop_reason.value == "length"))
+def frac_truncated_turns(trajs: list[Trajectory]) -> float:
+    """The fraction of the model calls behind `trajs` cut at max_new_tokens: an agent's
+    trajectory counts each of its turns (`meta["n_turns"]`, `meta["truncated_turns"]`),
+    any other its one completion."""
+    cut = sum(t.meta.get("truncated_turns", int(t.stop_reason.value == "length"))
+              for t in trajs)
+    return cut / sum(t.meta.get("n_turns", 1) for t in trajs)
 
 
 class RolloutError(RuntimeError):
@@ -290,8 +293,7 @@ class RolloutController:
             "rollout/frac_multi_version": sum(mixed) / len(mixed),
             "rollout/frac_truncated": sum(t.stop_reason.value == "length" for t in trajs) / len(trajs),
             # Of all model calls (an agent's trajectory holds several): cut at max_new_tokens.
-            "rollout/frac_truncated_turns": sum(_truncated_turns(t) for t in trajs)
-            / sum(t.meta.get("n_turns", 1) for t in trajs),
+            "rollout/frac_truncated_turns": frac_truncated_turns(trajs),
             "rollout/running": float(self.staleness.running),
             "rollout/buffered": float(len(self._buffer)),
             "rollout/groups_dropped": float(self._dropped_since_batch),
