@@ -124,6 +124,12 @@ class ActorConfig:
     # "all-linear": every linear layer of the decoder, not the output projection).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     peft_type: str = "lora"  # the PEFT method; only "lora" is supported
+    # Parameter-name prefixes to keep fixed: they take no gradients and no optimiser state,
+    # and every publish and saved folder holds them unchanged. A vision-language model may
+    # train its vision encoder and connector alone (["model.text_model"], plus "lm_head"
+    # where the head is not tied), or its language model alone (["model.vision_model",
+    # "model.connector"]).
+    frozen_modules: list[str] = field(default_factory=list)
     # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
     # once per micro-batch, as a token trie with exact gradients (trainer/prefix.py); the
     # reference and teacher log-probs follow this switch.
@@ -236,6 +242,9 @@ class ActorConfig:
         _check(not (self.routing_replay and self.shared_prefix),
                "actor.routing_replay=true needs each row's own prompt tokens, and "
                "actor.shared_prefix=true shares them between rows; set one of them to false")
+        _check(not (self.use_lora and self.frozen_modules),
+               "actor.frozen_modules with actor.use_lora: LoRA already freezes the base; drop "
+               "one of them")
         if self.backend is not None:
             parse_train_backend(self.backend)  # raises naming actor.backend
         _check(self.weight_update_mode in ("disk", "broadcast", "ipc"),

@@ -160,3 +160,32 @@ def test_trained_weights_published_to_our_engine_give_the_trainers_logprobs(vlm,
     torch.testing.assert_close(served, trained[0, 1:n], atol=1e-4, rtol=0)
     before = hf_logprobs(AutoModelForImageTextToText.from_pretrained(vlm).eval(), batch)
     assert (trained - before).abs().max() > 1e-2  # the step changed them
+
+
+def test_actor_frozen_modules_keep_the_language_model_fixed_in_a_grpo_step(vlm):
+    """`actor.frozen_modules` reaches the RL trainer's engine: a GRPO step moves the vision
+    encoder and connector and leaves every text-model tensor bit for bit."""
+    cfg = ActorConfig(path=vlm, dtype="float32", frozen_modules=["model.text_model", "lm_head"],
+                      optimizer=OptimizerConfig(lr=1e-2), use_decoupled_loss=False,
+                      recompute_logprob=False, reward_norm=NormConfig(group_size=2))
+    spec = TrainEngineSpec.of(cfg)
+    assert spec.frozen_modules == ("model.text_model", "lm_head")
+    engine = FSDPTrainEngine(spec, total_steps=2)
+    engine.initialize()
+    batch = Batch(trajectories(vlm)).to_tensors()
+    batch.behavior_logprobs = engine.compute_logprobs(batch)
+    batch.advantages, batch.returns = compute_advantages_and_returns(batch, cfg)
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.train_batch(batch, make_ppo_loss_fn(cfg))
+    changed = {n.removeprefix("hf.") for n, p in engine.model.named_parameters()
+               if not torch.equal(p, before[n])}
+    names = [n.removeprefix("hf.") for n in before]
+    vision = {n for n in names if n.startswith(("model.vision_model.", "model.connector."))}
+    # Every vision tensor with a gradient moved (LayerNorm biases of a ViT all do here).
+    assert changed == vision, sorted(changed ^ vision)[:8]
+    engine.destroy()
+
+
+def test_actor_frozen_modules_with_lora_is_refused():
+    with pytest.raises(ValueError, match="actor.frozen_modules with actor.use_lora"):
+        ActorConfig(use_lora=True, frozen_modules=["model.vision_model"])
