@@ -8,8 +8,11 @@ four ways to lose them:
 - a constant batch: every sample of the batch got the same reward: all 0, say, and the reward
   function, the prompt template or the answer format is likely wrong; all the best reward,
   and the items are already solved; if earlier batches of the run had other rewards, the
-  rewards are rare instead, and the warning says so;
-- truncation: (nearly) every answer was cut at gconfig.max_new_tokens;
+  rewards are rare instead, and the warning says so, or, where an earlier batch did well
+  (its mean a third of the way up the rewards seen, or more), the policy got worse (a
+  collapse);
+- truncation: (nearly) every answer was cut at gconfig.max_new_tokens; where an earlier
+  step's answers mostly fit, the warning says the answers grew instead;
 - reward failures: the reward function raised (or timed out) for most episodes. Those
   episodes are not trained on (never scored 0); each is in <run>/failures.jsonl.
 
@@ -33,6 +36,10 @@ logger = logging.getLogger(__name__)
 TRUNCATED_FRAC = 0.9
 # "Most episodes": more than this fraction of the episode runs since the last step.
 FAILED_FRAC = 0.5
+# "An earlier batch did well": its mean reward at least this far up the run's reward range.
+COLLAPSE_FRAC = 1 / 3
+# "Earlier answers fit": at most this fraction of a step's answers cut.
+FIT_FRAC = 0.5
 # Characters of a prompt (its end) or a completion quoted in a warning.
 QUOTE_CHARS = 300
 REWARD_ERRORS = ("RewardError", "RewardTimeout")
@@ -84,6 +91,8 @@ class HealthMonitor:
         self._streaks: dict[str, tuple[int, int]] = {}  # condition: (first step, steps held)
         self._found: dict[str, Finding] = {}
         self._seen: tuple[float, float] | None = None  # the run's lowest and highest reward
+        self._best: tuple[float, int] | None = None  # the highest batch mean reward, its step
+        self._fit: tuple[float, int] | None = None  # the lowest truncated fraction, its step
 
     @property
     def findings(self) -> list[Finding]:
@@ -113,6 +122,11 @@ class HealthMonitor:
             low, high = min(rewards), max(rewards)
             self._seen = (low, high) if self._seen is None else (
                 min(low, self._seen[0]), max(high, self._seen[1]))
+            mean = sum(rewards) / len(rewards)
+            if self._best is None or mean > self._best[0]:
+                self._best = (mean, signals.step)
+        if self._fit is None or signals.truncated_frac < self._fit[0]:
+            self._fit = (signals.truncated_frac, signals.step)
         return new
 
     def _constant(self, s: StepSignals) -> str | None:
@@ -121,6 +135,13 @@ class HealthMonitor:
             return None
         reward = next(iter(rewards))
         if self._seen is not None and self._seen != (reward, reward):
+            (low, high), (best, step) = self._seen, self._best
+            if best - reward >= COLLAPSE_FRAC * (high - low):
+                return (f"every sample got reward {reward:g}, while the batch of step {step} "
+                        f"had a mean reward of {best:.3g}: the policy got worse, as it does "
+                        "when its updates are too large (a collapse). Lower "
+                        "actor.optimizer.lr, add a KL term to the starting model "
+                        "(actor.kl_ctl), and restart from a checkpoint before the drop.")
             return (f"every sample got reward {reward:g}, while earlier batches of this run "
                     f"had rewards from {self._seen[0]:g} to {self._seen[1]:g}: the rewards "
                     "are too rare for a batch to hold a difference, and the gradient is 0. "
@@ -150,6 +171,13 @@ class HealthMonitor:
     def _truncated(self, s: StepSignals) -> str | None:
         if s.truncated_frac < TRUNCATED_FRAC:
             return None
+        if self._fit is not None and self._fit[0] <= FIT_FRAC:
+            fit, step = self._fit
+            return (f"{s.truncated_frac:.0%} of the answers were cut at gconfig.max_new_tokens="
+                    f"{self.max_new_tokens}, while at step {step} {fit:.0%} were: the answers "
+                    "grew during the run, as they do when the policy drifts or collapses. "
+                    "Check the samples; lower actor.optimizer.lr, or penalise length "
+                    "(actor.overlong_reward_penalty).")
         return (f"{s.truncated_frac:.0%} of the answers were cut at gconfig.max_new_tokens="
                 f"{self.max_new_tokens}, before their final answer. Raise "
                 "gconfig.max_new_tokens (or ask for shorter answers in the prompt).")

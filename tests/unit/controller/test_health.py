@@ -63,6 +63,32 @@ def test_a_constant_batch_after_rewarded_steps_says_the_rewards_are_rare():
     assert "too rare" in finding.message and "reward function" not in finding.message
 
 
+def test_a_constant_batch_after_a_good_batch_says_the_policy_collapsed():
+    # GRPO at too high a learning rate: batch means 0.25, 0.5, 0.125, then nothing right.
+    # 0.125 is not a third of the way up [0, 1]; 0.5 is.
+    monitor = HealthMonitor(2, max_new_tokens=8)
+    batches = [[[0.0, 1.0], [0.0, 0.0]], [[1.0, 1.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 1.0],
+                                                                    [0.0, 0.0], [0.0, 0.0]]]
+    warned = _run(monitor, [*(_signals(i + 1, g) for i, g in enumerate(batches)),
+                            *(_signals(s, ZERO) for s in (4, 5))])
+    assert warned == {1: [], 2: [], 3: [], 4: [], 5: ["constant_reward"]}
+    [finding] = monitor.findings
+    assert "while the batch of step 2 had a mean reward of 0.5" in finding.message
+    assert "actor.optimizer.lr" in finding.message and "too rare" not in finding.message
+
+
+def test_answers_that_grew_into_the_budget_are_told_apart_from_a_short_budget():
+    monitor = HealthMonitor(2, max_new_tokens=8)
+    truncated = [0.5, 0.25, 0.75, 0.95, 1.0]  # step 2: a quarter cut, the least
+    warned = _run(monitor, [_signals(i + 1, LEARNING, truncated=t)
+                            for i, t in enumerate(truncated)])
+    assert warned == {1: [], 2: [], 3: [], 4: [], 5: ["truncated"]}
+    [finding] = monitor.findings
+    assert finding.message.startswith("100% of the answers were cut at "
+                                      "gconfig.max_new_tokens=8, while at step 2 25% were")
+    assert "Raise gconfig.max_new_tokens" not in finding.message
+
+
 def test_flat_groups_are_not_checked_without_a_group_baseline():
     monitor = HealthMonitor(1, max_new_tokens=32, group_baseline=False)
     assert _run(monitor, [_signals(1, FLAT)]) == {1: []}
