@@ -7,13 +7,19 @@ writes <out>/train.jsonl and <out>/held_out.jsonl. Each line is an item: id, que
 answer (a digit, a colour, or yes/no), images (one PNG data URL), task, metadata (the
 scene). `asyncrl sft` reads them as {question, answer} rows with images (shapes_sft_cpu.yaml);
 the held-out file is the same items shapes_grpo_cpu.yaml evaluates on (same size and seed).
+
+Each training image also gets a description row ("Describe the image." -> "red square,
+blue circle", the shapes in reading order of their cells): a target that names every
+shape, where a question's answer names one fact. Trained on the questions alone, the new
+vision encoder learns little of the image, and the model answers about as well with a
+blank one (examples/vlm/README.md). `--no-descriptions` writes the questions alone.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from asyncrl.data.visual_tasks import generate
+from asyncrl.data.visual_tasks import DESCRIBE, Shape, describe, generate
 
 
 def main() -> None:
@@ -24,14 +30,27 @@ def main() -> None:
     parser.add_argument("--held-out-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--canvas", type=int, default=64, help="image side, in pixels")
+    parser.add_argument("--no-descriptions", action="store_true",
+                        help="write the questions alone, without a description row per "
+                             "training image")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for split, size in (("train", args.train_size), ("held_out", args.held_out_size)):
         items = generate(size=size, seed=args.seed, split=split, canvas=args.canvas)
+        rows = list(items)
+        if split == "train" and not args.no_descriptions:
+            rows += [description_row(item, args.canvas) for item in items]
         with open(args.out / f"{split}.jsonl", "w") as f:
-            for item in items:
-                f.write(json.dumps(item) + "\n")
-        print(f"{args.out / f'{split}.jsonl'}: {len(items)} items")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"{args.out / f'{split}.jsonl'}: {len(rows)} rows")
+
+
+def description_row(item: dict, canvas: int) -> dict:
+    """An SFT row of `item`'s image: the question DESCRIBE, the scene in words."""
+    shapes = [Shape(kind, colour, tuple(box)) for kind, colour, *box in item["metadata"]["shapes"]]
+    return {**item, "id": item["id"] + "-describe", "question": DESCRIBE,
+            "answer": describe(shapes, canvas)}
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ HELD_OUT_PAIRS = frozenset({("circle", "green"), ("square", "yellow"), ("triangl
 GRID = 3  # cells per side; one shape per cell
 MAX_SHAPES = 4
 MIN_CANVAS = 48  # a cell must hold a shape of at least 8 pixels with a margin
+DESCRIBE = "Describe the image."  # the question `describe` answers (SFT rows only)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,14 @@ def _question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str]:
         else (rng.choice(SHAPES), rng.choice(tuple(COLOURS)))
     there = any((s.kind, s.colour) == (kind, colour) for s in shapes)
     return f"Is there a {colour} {kind}?", "yes" if there else "no"
+
+
+def describe(shapes: list[Shape], canvas: int) -> str:
+    """The scene in words, its shapes in reading order of their grid cells ("red square,
+    blue circle"): a dense target that names every shape's colour and kind."""
+    cell = canvas // GRID
+    ordered = sorted(shapes, key=lambda s: (s.box[1] // cell, s.box[0] // cell))
+    return ", ".join(f"{s.colour} {s.kind}" for s in ordered)
 
 
 def data_url(image: Any) -> str:

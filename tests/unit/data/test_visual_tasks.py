@@ -16,6 +16,8 @@ from asyncrl.data.loading import held_out, load_dataset
 from asyncrl.data.visual_tasks import (
     COLOURS,
     HELD_OUT_PAIRS,
+    Shape,
+    describe,
     generate,
     held_out_tasks,
     hf_image_item,
@@ -93,6 +95,18 @@ def test_the_pixels_hold_what_each_answer_says():
             {(255, 255, 255), *COLOURS.values()}
         found = item_regions(item["id"])
         assert answer_from_pixels(item["question"], found) == item["answer"], item["id"]
+
+
+def test_a_description_names_every_shape_in_reading_order_of_the_cells():
+    # 64 px, cells of 21: the circle is in row 0 column 2, the square row 0 column 0, the
+    # triangle row 2 column 1
+    shapes = [Shape("circle", "blue", (45, 3, 55, 13)), Shape("square", "red", (2, 2, 12, 12)),
+              Shape("triangle", "green", (24, 45, 36, 57))]
+    assert describe(shapes, 64) == "red square, blue circle, green triangle"
+    for item in TRAIN:  # the same shapes as the pixels show
+        scene = [Shape(k, c, tuple(box)) for k, c, *box in item["metadata"]["shapes"]]
+        assert sorted(describe(scene, 64).split(", ")) == \
+            sorted(f"{c} {k}" for c, k in item_regions(item["id"])), item["id"]
 
 
 def test_every_question_family_and_answer_kind_appears():
