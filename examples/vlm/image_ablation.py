@@ -10,13 +10,12 @@ the commonest colour). HF generate, one item at a time, on the CPU.
 """
 
 import argparse
-import base64
-import io
 
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from asyncrl.data.offline import load_image
 from asyncrl.data.visual_tasks import BACKGROUND, held_out_tasks, train_tasks
 from asyncrl.rewards.short_answer import short_answer_reward
 
@@ -24,8 +23,7 @@ SYSTEM = "Look at the image and answer with one word or number."  # shapes_grpo_
 
 
 def image_of(item: dict) -> Image.Image:
-    data = item["images"][0].split(",", 1)[1]
-    return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+    return load_image(item["images"][0], f"item {item['id']} images[0]")
 
 
 @torch.no_grad()
