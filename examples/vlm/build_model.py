@@ -12,8 +12,8 @@ each image as one tile of `--image-size` pixels (no splitting: the task's images
 so an image is (image_size / patch / scale_factor)^2 image tokens.
 
 The folder loads with AutoModelForImageTextToText and AutoProcessor, and serves and trains
-like any SmolVLM folder. Until the vision side is trained (`vlm_sft_cpu.yaml`) the image
-tokens carry noise.
+like any SmolVLM folder. Until the vision side is trained (pretrain_vision.py, then
+shapes_align_sft_cpu.yaml) the image tokens carry noise.
 """
 
 from __future__ import annotations

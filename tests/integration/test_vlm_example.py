@@ -1,14 +1,15 @@
-"""The VLM examples: on a tiny SmolVLM-shaped model built by build_model.py, the SFT
-recipe trains the vision side alone, and GRPO from its folder runs two steps whose first
-trainer log-probs equal the server's; the GPU sibling builds its workflow."""
+"""The VLM examples: on a tiny SmolVLM-shaped model built by build_model.py and
+pretrain_vision.py, the alignment SFT trains the connector alone, the second SFT the
+language model and connector, and GRPO from its folder runs two steps whose first trainer
+log-probs equal the server's; the GPU sibling builds its workflow."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from example_scripts import folder_weights as weights
+from example_scripts import load_example
 
 from asyncrl.config import load_config
 from asyncrl.config.offline import SFTConfig
@@ -21,36 +22,43 @@ from asyncrl.rewards.registry import resolve_reward_fn
 
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "vlm"
-spec = importlib.util.spec_from_file_location("build_model", EXAMPLES / "build_model.py")
-build_model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build_model)
+build_model = load_example("vlm/build_model.py")
+pretrain_vision = load_example("vlm/pretrain_vision.py")
 QUIET = ["stats_logger.progress_bar=false", "stats_logger.plot=false"]
 
 
-def weights(folder) -> dict[str, torch.Tensor]:
-    return {k: v for f in Path(folder).glob("*.safetensors") for k, v in load_file(f).items()}
+def changed(before: dict, after: dict) -> set[str]:
+    """The top modules (model.vision_model, model.connector, model.text_model) whose
+    tensors differ."""
+    assert before.keys() == after.keys()
+    return {".".join(k.split(".")[:2]) for k in before if not torch.equal(before[k], after[k])}
 
 
 @pytest.mark.slow  # about a minute on a loaded 2-core machine
-def test_sft_then_grpo_from_its_folder_with_server_and_trainer_logprobs_equal(tmp_path):
-    vlm = build_model.build(make_tiny_model(tmp_path / "lm"), tmp_path / "vlm", image_size=32,
+def test_pretrain_align_sft_then_grpo_with_server_and_trainer_logprobs_equal(tmp_path):
+    vlm = build_model.build(make_tiny_model(tmp_path / "lm"), tmp_path / "vlm", image_size=48,
                             patch=8, vision_hidden=32, vision_layers=1, vision_heads=2)
+    built = weights(vlm)
+    pretrain_vision.pretrain(vlm, steps=2, batch_size=4, train_size=16, eval_size=4)
+    assert changed(built, weights(vlm)) == {"model.vision_model"}
     data = tmp_path / "data"
     data.mkdir()
     for split, size in (("train", 8), ("held_out", 4)):
         with open(data / f"{split}.jsonl", "w") as f:
-            for item in generate(size=size, seed=0, split=split):
+            for item in generate(size=size, seed=0, split=split, canvas=48):
                 f.write(json.dumps(item) + "\n")
-    cfg = load_config(EXAMPLES / "shapes_sft_cpu.yaml", [
-        f"cluster.fileroot={tmp_path / 'runs'}", f"model.path={vlm}", "model.dtype=float32",
-        f"train_dataset.path={data}", f"valid_dataset.path={data}", "train_dataset.batch_size=4",
-        "total_train_steps=3", "evaluator.freq_steps=null", *QUIET], schema=SFTConfig)
-    summary = sft.train(cfg)
-    assert summary["eval_after"]["loss"] != summary["eval_before"]["loss"]
-    before, after = weights(vlm), weights(summary["model_dir"])
-    assert before.keys() == after.keys()
-    for name in before:  # the text model kept, the vision encoder and connector trained
-        assert torch.equal(before[name], after[name]) == name.startswith("model.text_model."), name
+    common = [f"cluster.fileroot={tmp_path / 'runs'}", "model.dtype=float32",
+              f"train_dataset.path={data}", f"valid_dataset.path={data}",
+              "train_dataset.batch_size=4", "total_train_steps=2", "evaluator.freq_steps=null",
+              *QUIET]
+    stages = [("shapes_align_sft_cpu.yaml", vlm, {"model.connector"}),
+              ("shapes_sft_cpu.yaml", None, {"model.connector", "model.text_model"})]
+    for yaml, start, trained in stages:
+        start = start or summary["model_dir"]
+        cfg = load_config(EXAMPLES / yaml, [f"model.path={start}", *common], schema=SFTConfig)
+        summary = sft.train(cfg)
+        assert summary["eval_after"]["loss"] != summary["eval_before"]["loss"]
+        assert changed(weights(start), weights(summary["model_dir"])) == trained, yaml
 
     cfg = load_config(EXAMPLES / "shapes_grpo_cpu.yaml", [
         f"cluster.fileroot={tmp_path / 'runs'}", f"actor.path={summary['model_dir']}",

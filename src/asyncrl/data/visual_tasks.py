@@ -51,9 +51,12 @@ class Shape:
 
 
 def _scene(rng: random.Random, split: str, canvas: int) -> list[Shape]:
-    """Shapes in distinct cells; `held_out` scenes hold a held-out pair, `train` ones none."""
+    """Shapes in distinct cells; `held_out` scenes hold a held-out pair, `train` ones none.
+    The number of shapes is drawn once, before the pairs, so that it is uniform in both
+    splits: redrawing it with the pairs would give training scenes fewer shapes (a scene of
+    n shapes avoids the held-out pairs with probability 0.75^n) and held-out ones more."""
+    n = rng.randint(1, MAX_SHAPES)
     while True:
-        n = rng.randint(1, MAX_SHAPES)
         pairs = [(rng.choice(SHAPES), rng.choice(tuple(COLOURS))) for _ in range(n)]
         held = sum(p in HELD_OUT_PAIRS for p in pairs)
         if (held > 0) == (split == "held_out"):

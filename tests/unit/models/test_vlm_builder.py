@@ -1,20 +1,15 @@
 """examples/vlm/build_model.py: the VLM's text model is the source LM tensor for tensor
 (same logits on text), the processor shows an image as one tile of image tokens."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from example_scripts import load_example
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from asyncrl.models.tiny import make_tiny_model, make_tiny_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "vlm" / "build_model.py"
-spec = importlib.util.spec_from_file_location("build_model", SCRIPT)
-build_model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build_model)
+build_model = load_example("vlm/build_model.py")
 SMALL = dict(image_size=32, patch=8, scale_factor=2, vision_hidden=32, vision_layers=1,
              vision_heads=2)
 
