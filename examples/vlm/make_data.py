@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from asyncrl.data.visual_tasks import DESCRIBE, Shape, describe, generate
+from asyncrl.data.visual_tasks import DESCRIBE, describe, generate, scene_of
 
 
 def main() -> None:
@@ -48,9 +48,8 @@ def main() -> None:
 
 def description_row(item: dict, canvas: int) -> dict:
     """An SFT row of `item`'s image: the question DESCRIBE, the scene in words."""
-    shapes = [Shape(kind, colour, tuple(box)) for kind, colour, *box in item["metadata"]["shapes"]]
     return {**item, "id": item["id"] + "-describe", "question": DESCRIBE,
-            "answer": describe(shapes, canvas)}
+            "answer": describe(scene_of(item), canvas)}
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from asyncrl.data.visual_tasks import COLOURS, GRID, SHAPES, Shape, generate, render
+from asyncrl.data.visual_tasks import (COLOURS, GRID, SHAPES, Shape, generate, render,
+                                      scene_of)
 
 KINDS = ("none",) + SHAPES
 COLOUR_NAMES = ("none",) + tuple(COLOURS)
@@ -52,8 +53,7 @@ def cell_labels(shapes: list[Shape], canvas: int) -> tuple[list[int], list[int]]
 def scenes(processor, *, size: int, seed: int, split: str, canvas: int):
     """`size` scenes of `split` as (pixel_values, kind labels, colour labels)."""
     items = generate(size=size, seed=seed, split=split, canvas=canvas)
-    shapes = [[Shape(k, c, tuple(box)) for k, c, *box in item["metadata"]["shapes"]]
-              for item in items]
+    shapes = [scene_of(item) for item in items]
     pixels = processor.image_processor([render(s, canvas) for s in shapes],
                                        return_tensors="pt")["pixel_values"]
     labels = [cell_labels(s, canvas) for s in shapes]

@@ -153,6 +153,11 @@ def generate(*, size: int, seed: int, split: str = "train",
     return items
 
 
+def scene_of(item: dict[str, Any]) -> list[Shape]:
+    """The shapes of an item `generate` made, from its metadata."""
+    return [Shape(kind, colour, tuple(box)) for kind, colour, *box in item["metadata"]["shapes"]]
+
+
 def train_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any]]:
     """Training items: scenes without the held-out (shape, colour) pairs."""
     return generate(size=size, seed=seed, split="train", canvas=canvas)

@@ -21,6 +21,7 @@ from asyncrl.data.visual_tasks import (
     generate,
     held_out_tasks,
     hf_image_item,
+    scene_of,
     train_tasks,
 )
 from asyncrl.rewards.registry import resolve_answer_fn, resolve_reward_fn
@@ -104,7 +105,7 @@ def test_a_description_names_every_shape_in_reading_order_of_the_cells():
               Shape("triangle", "green", (24, 45, 36, 57))]
     assert describe(shapes, 64) == "red square, blue circle, green triangle"
     for item in TRAIN:  # the same shapes as the pixels show
-        scene = [Shape(k, c, tuple(box)) for k, c, *box in item["metadata"]["shapes"]]
+        scene = scene_of(item)
         assert sorted(describe(scene, 64).split(", ")) == \
             sorted(f"{c} {k}" for c, k in item_regions(item["id"])), item["id"]
 
