@@ -74,7 +74,7 @@ test: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	@if unshare --net true 2>/dev/null; then \
 		RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 unshare --net sh -c \
-			'ip link set lo up && exec $(BIN)/pytest -q -m ray $(PYTEST_ARGS)'; \
+			'ip link set lo up && exec $(BIN)/pytest -q -m "ray and not slow" $(PYTEST_ARGS)'; \
 	else echo "Ray tests skipped: 'unshare --net' is not permitted here"; fi
 
 test-slow: $(STAMP)

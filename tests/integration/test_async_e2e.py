@@ -99,6 +99,8 @@ def test_a_reward_that_is_always_zero_is_reported_within_n_plus_one_steps(tmp_pa
     assert "One sample: prompt ...'" in constant[0]  # what the model saw and wrote
 
 
+# Slow: test_trainer_kill_e2e resumes async runs from their checkpoints in `make test`.
+@pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(tmp_path, tiny_model):
     extra = ["recover.mode=auto", "recover.freq_steps=1", "evaluator.before_training=false",
              "evaluator.after_training=false"]

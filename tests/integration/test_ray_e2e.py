@@ -41,7 +41,9 @@ def cluster():
     cluster.shutdown()
 
 
-@pytest.mark.parametrize("sync", ["disk", "broadcast"])
+# broadcast: the same run with the weights sent over the trainer's process group, as in
+# test_services_e2e (slow: a second two-node run).
+@pytest.mark.parametrize("sync", ["disk", pytest.param("broadcast", marks=pytest.mark.slow)])
 def test_two_trainer_ranks_and_a_server_on_two_ray_nodes(cluster, tmp_path, sync):
     model = make_tiny_model(tmp_path / "model", arch="llama")
     cfg = tiny_run_config(tmp_path, model, "scheduler.type=ray", "cluster.n_nodes=2",

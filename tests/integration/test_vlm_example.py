@@ -75,14 +75,13 @@ def test_pretrain_align_sft_then_grpo_with_server_and_trainer_logprobs_equal(tmp
     assert abs(first["train/imp_weight_max"] - 1) < 1e-4
     assert abs(first["train/imp_weight_min"] - 1) < 1e-4
     batches = [json.loads(line) for line in (run / "batches.jsonl").open()]
-    assert [len(b["rewards"]) for b in batches] == [8, 8]  # 2 prompts x 4 samples
+    assert [len(b["rewards"]) for b in batches] == [16, 16]  # 2 prompts x 8 samples
     assert all(r in (0.0, 1.0) for b in batches for r in b["rewards"])
 
 
 def test_the_gpu_sibling_names_an_hf_image_dataset_and_a_known_reward():
     cfg = load_config(EXAMPLES / "qwen2_5_vl_clevr_grpo.yaml")
     assert callable(resolve_reward_fn(cfg.workflow.reward_fn))
-    assert cfg.actor.shared_prefix is False
     for dataset in (cfg.train_dataset, cfg.valid_dataset):
         assert dataset.path == "python:asyncrl.data.visual_tasks:hf_image_tasks"
         assert dataset.task_kwargs["dataset"] == "BUAADreamer/clevr_count_70k"

@@ -132,7 +132,8 @@ class ActorConfig:
     frozen_modules: list[str] = field(default_factory=list)
     # Compute a prefix that rows share (a GRPO group's prompt, an agent's earlier turns)
     # once per micro-batch, as a token trie with exact gradients (trainer/prefix.py); the
-    # reference and teacher log-probs follow this switch.
+    # reference and teacher log-probs follow this switch. Rows with images share their
+    # image tokens only where the pixels are equal too.
     shared_prefix: bool = False
     # Mixture-of-Experts models: add router_aux_loss_coef * the router load-balancing loss
     # (HF's load_balancing_loss_func, over each micro-batch's tokens; the model config's own

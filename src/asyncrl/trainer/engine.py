@@ -120,19 +120,34 @@ class TokenLogprobModel(nn.Module):
             hidden = out.last_hidden_state[:, :-1][chosen]
             parts = self._logprobs(hidden, input_ids[:, 1:][chosen], with_entropy)
         else:
-            parts = self._trie_logprobs(pack, chosen, with_entropy)
+            parts = self._trie_logprobs(pack, chosen, with_entropy, images, input_ids,
+                                        attention_mask)
         placed = [_place(chosen, values) for values in parts]
         return tuple(placed) if with_entropy else placed[0]
 
-    def _trie_logprobs(self, pack: PrefixPack, chosen: torch.Tensor,
-                       with_entropy: bool) -> list[torch.Tensor]:
+    def _trie_logprobs(self, pack: PrefixPack, chosen: torch.Tensor, with_entropy: bool,
+                       images: RowImages | None = None, input_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """`_logprobs` of the chosen tokens, each distinct node once, from its parent's state.
 
         The gather that hands a node's value to every row through it sums their gradients
         in backward, into the one shared activation: the exact gradient.
         """
         use_trie_attention(self.hf)
-        out = self._decode(**pack.model_inputs())
+        inputs = pack.model_inputs()
+        if images is not None:
+            # The rows' embeddings with their images' features (and M-RoPE positions),
+            # each node's read from one of its rows: rows share a node through image tokens
+            # only when their pixels are equal (the pack's keys, `vision.image_keys`).
+            rows = {"input_ids": input_ids, "attention_mask": attention_mask}
+            embeds = self._with_images(rows, self.hf.get_input_embeddings()(input_ids),
+                                       *images)
+            del inputs["input_ids"]
+            inputs["inputs_embeds"] = pack.from_rows(embeds)
+            if "position_ids" in rows:  # [3, B, T] -> [3, 1, N + P]
+                inputs["position_ids"] = pack.from_rows(
+                    rows["position_ids"].permute(1, 2, 0)).permute(2, 0, 1)
+        out = self._decode(**inputs)
         nodes, spread = pack.chosen_nodes(chosen)
         hidden = pack.to_slots(out.last_hidden_state).flatten(0, 1)[pack.parent[nodes]]
         parts = self._logprobs(hidden, pack.input_ids.flatten()[nodes], with_entropy)
@@ -141,6 +156,8 @@ class TokenLogprobModel(nn.Module):
     def _decode(self, images: RowImages | None = None, **inputs: torch.Tensor) -> Any:
         """The decoder on `inputs`; the input embedding's gradient to its sink where it has
         one (`precision.embedding`: the tied embedding's rows added in fp32)."""
+        if "inputs_embeds" in inputs:
+            return self.hf.get_decoder()(**inputs, use_cache=False)
         embeds = precision.embedding(self.hf.get_input_embeddings(), inputs["input_ids"])
         if images is not None:
             if embeds is None:
@@ -599,15 +616,15 @@ class FSDPTrainEngine:
     def _root_forward(self, model: nn.Module, mb: TensorBatch, targets: torch.Tensor,
                       **kwargs: Any) -> Any:
         """The root's forward on `mb`, through the rows' prefix trie if `spec.shared_prefix`."""
+        keys = None
         if mb.pixel_values is not None:
-            if self.spec.shared_prefix:
-                raise ValueError("a batch with images cannot run as a prefix trie (equal "
-                                 "image tokens, other pixels): set actor.shared_prefix=false "
-                                 "for a vision-language model")
             kwargs["images"] = (mb.images, mb.image_rows)
+            if self.spec.shared_prefix:
+                keys = vision.image_keys(mb.input_ids.cpu(), model.hf.config.image_token_id,
+                                         mb.images, mb.image_rows.cpu())
         if self.spec.shared_prefix:
             nodes, width = SHAPE_MULTIPLES if self.device.type == "cpu" else (1, 1)
-            pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu(),
+            pack = pack_prefixes(mb.input_ids.cpu(), mb.attention_mask.cpu(), keys=keys,
                                  node_multiple=nodes, width_multiple=width)
             kwargs["pack"] = pack.to(mb.input_ids.device)
         if not self._moe.active:

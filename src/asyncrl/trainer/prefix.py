@@ -78,6 +78,18 @@ class PrefixPack:
         each chosen token (row-major, as `masked_scatter` reads) into them."""
         return torch.unique(self.node_of[:, 1:][chosen], return_inverse=True)
 
+    def from_rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Per-token values [B, T, ...] as the decoder's input [1, N + P, ...]: each node's
+        from one of the tokens it stands for (equal for all of them: they share the prefix
+        and its keys), padding nodes' from the first token. A gather, so in backward each
+        value's gradient reaches the token it was read from."""
+        real = self.node_of >= 0
+        source = torch.zeros(self.input_ids.numel(), dtype=torch.long,
+                             device=self.node_of.device)
+        source[self.node_of[real]] = torch.arange(
+            self.node_of.numel(), device=self.node_of.device)[real.flatten()]
+        return per_token.flatten(0, 1)[source[self.slots]][None]
+
     def unpack(self, per_node: torch.Tensor) -> torch.Tensor:
         """Per-node values [R, L] as per-token values [B, T]: each token's node's, 0 on padding."""
         real = self.node_of >= 0
@@ -86,18 +98,25 @@ class PrefixPack:
 
 
 def pack_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                  capacity: int | None = None, min_shared: int = MIN_SHARED_TOKENS,
-                  node_multiple: int = 1, width_multiple: int = 1) -> PrefixPack:
+                  keys: torch.Tensor | None = None, capacity: int | None = None,
+                  min_shared: int = MIN_SHARED_TOKENS, node_multiple: int = 1,
+                  width_multiple: int = 1) -> PrefixPack:
     """The trie packing of right-padded rows (CPU tensors); capacity: twice the longest row.
-    The nodes the decoder runs and the rows' width are rounded up to the multiples given."""
+    The nodes the decoder runs and the rows' width are rounded up to the multiples given.
+    `keys` ([B, T], default `input_ids`): what two rows' tokens must equal to share a node,
+    where a token stands for more than its id (an image token, for its image's pixels)."""
     if node_multiple < 1 or width_multiple < 1:
         raise ValueError(f"node_multiple and width_multiple must be >= 1, got {node_multiple} "
                          f"and {width_multiple}")
+    if keys is not None and keys.shape != input_ids.shape:
+        raise ValueError(f"keys {tuple(keys.shape)} must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}")
     lengths = attention_mask.sum(-1).tolist()
     capacity = capacity or 2 * max(max(lengths), 1)
     if max(lengths) > capacity:
         raise ValueError(f"a row of {max(lengths)} tokens exceeds the capacity {capacity}")
-    trees, sizes = _grow_trees(input_ids, lengths, capacity, min_shared)
+    trees, sizes = _grow_trees(input_ids if keys is None else keys, lengths, capacity,
+                               min_shared)
     rows = _pack_trees(sizes, capacity)
     width = _round_up(max(sum(sizes[t] for t in row) for row in rows), width_multiple)
     n_nodes = sum(sizes)

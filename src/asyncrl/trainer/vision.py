@@ -15,6 +15,8 @@ for their place in its grid, and the text after it starts at p + max(t, h, w). v
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from asyncrl.api.types import ImageInputs
@@ -75,3 +77,26 @@ def mrope_positions(attention_mask: torch.Tensor, image_mask: torch.Tensor,
         pieces.append(torch.arange(text).expand(3, text) + pos)
         out[:, b, :int(lengths[b])] = torch.cat(pieces, dim=1)
     return out.to(attention_mask.device)
+
+
+def image_keys(input_ids: torch.Tensor, image_token_id: int, images: ImageInputs,
+               image_rows: torch.Tensor) -> torch.Tensor:
+    """long [B, T]: `input_ids` with each row's image tokens replaced by one negative key per
+    distinct set of images (`pack_prefixes`' keys): rows share a trie node through image
+    tokens only when their images are equal, pixel for pixel. Equal text with other pixels
+    is another prefix."""
+    keys = input_ids.clone()
+    rows = image_rows.tolist()
+    signatures: dict[int, hashlib.blake2b] = {}
+    for item, row in enumerate(rows):
+        digest = signatures.setdefault(row, hashlib.blake2b(digest_size=16))
+        one = images.items(item, item + 1)
+        for field in (one.pixel_values, one.pixel_attention_mask, one.image_grid_thw):
+            if field is not None:
+                digest.update(repr((field.dtype, tuple(field.shape))).encode())
+                digest.update(field.detach().cpu().contiguous().numpy().tobytes())
+    ids: dict[bytes, int] = {}
+    for row, digest in signatures.items():
+        key = -1 - ids.setdefault(digest.digest(), len(ids))
+        keys[row][input_ids[row] == image_token_id] = key
+    return keys
