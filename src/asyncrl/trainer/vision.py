@@ -86,15 +86,21 @@ def image_keys(input_ids: torch.Tensor, image_token_id: int, images: ImageInputs
     tokens only when their images are equal, pixel for pixel. Equal text with other pixels
     is another prefix."""
     keys = input_ids.clone()
-    rows = image_rows.tolist()
+    # One copy to the host for the whole batch; each item's slices of it from there on.
+    pixels = images.pixel_values.detach().cpu().contiguous().numpy()
+    mask, grid = (None if t is None else t.detach().cpu().contiguous().numpy()
+                  for t in (images.pixel_attention_mask, images.image_grid_thw))
     signatures: dict[int, hashlib.blake2b] = {}
-    for item, row in enumerate(rows):
+    start = 0
+    for item, (row, size) in enumerate(zip(image_rows.tolist(), images.item_sizes())):
         digest = signatures.setdefault(row, hashlib.blake2b(digest_size=16))
-        one = images.items(item, item + 1)
-        for field in (one.pixel_values, one.pixel_attention_mask, one.image_grid_thw):
-            if field is not None:
-                digest.update(repr((field.dtype, tuple(field.shape))).encode())
-                digest.update(field.detach().cpu().contiguous().numpy().tobytes())
+        parts = [pixels[start:start + size], None if mask is None else mask[start:start + size],
+                 None if grid is None else grid[item]]
+        for part in parts:
+            if part is not None:
+                digest.update(repr((part.dtype, part.shape)).encode())
+                digest.update(part.tobytes())
+        start += size
     ids: dict[bytes, int] = {}
     for row, digest in signatures.items():
         key = -1 - ids.setdefault(digest.digest(), len(ids))
