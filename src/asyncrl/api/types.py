@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import hashlib
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,14 @@ def piece_seed(seed: int | None, n_done: int) -> int | None:
     return seed if seed is None or n_done == 0 else mix_seed(seed, n_done)
 
 
+def hash_arrays(digest: Any, *arrays: Any) -> None:
+    """Feed each numpy array's dtype, shape and bytes to a hashlib `digest` (None: skipped)."""
+    for array in arrays:
+        if array is not None:
+            digest.update(repr((array.dtype.str, array.shape)).encode())
+            digest.update(array.tobytes())
+
+
 @dataclass(kw_only=True)
 class ImageInputs:
     """The images of one prompt as the model's image processor made them, in one of two
@@ -177,6 +186,15 @@ class ImageInputs:
         return ImageInputs(pixel_values=self.pixel_values[lo:hi],
                            pixel_attention_mask=None if mask is None else mask[lo:hi],
                            image_grid_thw=None if grid is None else grid[start:stop])
+
+    def digest(self) -> bytes:
+        """A 16-byte hash of the pixels, mask and grids (with their dtypes and shapes):
+        images equal pixel for pixel hash alike."""
+        digest = hashlib.blake2b(digest_size=16)
+        hash_arrays(digest, *(None if t is None else t.detach().cpu().contiguous().numpy()
+                              for t in (self.pixel_values, self.pixel_attention_mask,
+                                        self.image_grid_thw)))
+        return digest.digest()
 
     def starts_with(self, other: ImageInputs) -> bool:
         """Whether `other`'s items are this one's first items (an earlier turn's images)."""

@@ -19,7 +19,7 @@ import hashlib
 
 import torch
 
-from asyncrl.api.types import ImageInputs
+from asyncrl.api.types import ImageInputs, hash_arrays
 
 
 def prompt_image_mask(input_ids: torch.Tensor, image_token_id: int,
@@ -94,12 +94,9 @@ def image_keys(input_ids: torch.Tensor, image_token_id: int, images: ImageInputs
     start = 0
     for item, (row, size) in enumerate(zip(image_rows.tolist(), images.item_sizes())):
         digest = signatures.setdefault(row, hashlib.blake2b(digest_size=16))
-        parts = [pixels[start:start + size], None if mask is None else mask[start:start + size],
-                 None if grid is None else grid[item]]
-        for part in parts:
-            if part is not None:
-                digest.update(repr((part.dtype, part.shape)).encode())
-                digest.update(part.tobytes())
+        hash_arrays(digest, pixels[start:start + size],
+                    None if mask is None else mask[start:start + size],
+                    None if grid is None else grid[item])
         start += size
     ids: dict[bytes, int] = {}
     for row, digest in signatures.items():

@@ -17,9 +17,11 @@ that fails half-way leaves the served weights and version as they were.
 
 A vision-language model (inference/server/vision.py) takes requests with images: at
 prefill, its vision encoder turns them into the embeddings of the prompt's image tokens.
-Such a prompt shares no cached prefix with another (equal tokens, other pixels), and a step
-that admits one prefills its new prompts apart from the decode rows (the C forward takes
-token ids only). Text-only steps run as for a text model.
+Prompts share computed prefixes by keys, not token ids: an image token's key is a hash of
+its prompt's pixels, so equal tokens with other pixels are another prefix, while a GRPO
+group's samples (same text, same image) run the encoder and the prompt once. A prompt
+takes a shared prefix only if it covers all its image tokens; what it computes past the
+prefix is then text.
 
 A Mixture-of-Experts model's responses carry the experts each MoE layer chose for each
 token the engine ran (prefill and decode), for routing replay in the trainer.
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncrl.api.cores import CoreShare
-from asyncrl.api.types import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.api.types import GenerationRequest, GenerationResponse, ImageInputs, StopReason
 from asyncrl.config.schema import LocalEngineConfig
 from asyncrl.inference.server import memory
 from asyncrl.inference.server.memory import PREFILL_TOKEN_BUDGET
@@ -88,6 +90,10 @@ class _Seq:
     stop: StopChecker
     t_submit: float
     on_token: TokenCallback | None = None
+    # the prompt's tokens as prefixes are shared by: image tokens replaced by a key of the
+    # pixels (`_prompt_keys`); the prompt is shared past its image tokens only (image_end)
+    keys: list[int] = field(default_factory=list)
+    image_end: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -103,6 +109,10 @@ class _Seq:
     def kv_tokens(self) -> list[int]:
         """The tokens whose keys and values are in the cache (all but the newest)."""
         return self.req.input_ids + self.output_ids[:-1]
+
+    def kv_keys(self) -> list[int]:
+        """`kv_tokens` as prefixes are shared by (the prompt's `keys`)."""
+        return self.keys + self.output_ids[:-1]
 
     def response(self, reason: StopReason) -> GenerationResponse:
         routes = None
@@ -273,6 +283,11 @@ class LocalEngine:
         self._check_request(req)
         seq = _Seq(req=req, on_done=on_done, t_submit=time.monotonic(), on_token=on_token,
                    stop=StopChecker(req.sampling, self.eos_ids, self._decode_text))
+        if req.images is not None:
+            seq.keys, seq.image_end = _prompt_keys(req.input_ids, self.vision.image_token_id,
+                                                   req.images)
+        else:
+            seq.keys = list(req.input_ids)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the inference engine was shut down")
@@ -456,7 +471,7 @@ class LocalEngine:
                 return
             n_old = len(self._active)
             new = self._take_waiting()
-            if new and self.model.fused and not _any_images(new):
+            if new and self.model.fused:
                 self._mixed_step(n_old, new)
                 return
             if new:
@@ -474,9 +489,8 @@ class LocalEngine:
             self.version = version
             if self.config.recompute_kv_on_update and self._active:
                 kv_tokens = [s.kv_tokens() for s in self._active]
-                # shared prefixes (a group's prompt) computed once; not an image prompt's
-                if self.model.fused and not _any_images(self._active):
-                    self._forward_prompts(0, kv_tokens, decode=False)
+                if self.model.fused:  # shared prefixes (a group's prompt) computed once
+                    self._forward_prompts(0, self._active, kv_tokens, decode=False)
                 else:
                     self._prefill(self._active, 0, kv_tokens)
             else:
@@ -555,11 +569,9 @@ class LocalEngine:
         """Next tokens of slots 0..n_old-1 and first tokens of `new` (slots n_old..), in the
         same forward (see `_forward_prompts`)."""
         prompts = [s.req.input_ids for s in new]
-        # running sequences share what their cache holds (and only from the current weights;
-        # not an image prompt's, whose image tokens' keys depend on its pixels)
-        cached = [s.kv_tokens() if s.kv_current and s.req.images is None else []
-                  for s in self._active[:n_old]]
-        logits = self._forward_prompts(n_old, prompts, decode=True, cached=cached)
+        # running sequences share what their cache holds (only from the current weights)
+        cached = [s.kv_keys() if s.kv_current else [] for s in self._active[:n_old]]
+        logits = self._forward_prompts(n_old, new, prompts, decode=True, cached=cached)
         self._sampling = SamplingBatch.from_params([s.req.sampling for s in self._active],
                                                    self.device)
         tokens, logprobs = sample(logits, self._sampling, self._generator,
@@ -570,21 +582,25 @@ class LocalEngine:
         self._position[n_old:n] = torch.tensor([len(p) for p in prompts])
         self._record(0, tokens, logprobs, _tops(logits, self._sampling, self._active))
 
-    def _forward_prompts(self, base: int, prompts: list[list[int]], *, decode: bool,
-                         cached: Sequence[list[int]] = ()) -> torch.Tensor:
-        """Keys and values of `prompts` into slots base.. and the logits of their last tokens,
-        with the C forward; with `decode`, the first forward also holds the decode rows of
-        slots 0..base-1 (logits [base + len(prompts), V], else [len(prompts), V]).
+    def _forward_prompts(self, base: int, seqs: list[_Seq], prompts: list[list[int]], *,
+                         decode: bool, cached: Sequence[list[int]] = ()) -> torch.Tensor:
+        """Keys and values of `prompts` (the tokens of `seqs` to compute: their prompts, or
+        all cached tokens) into slots base.. and the logits of their last tokens, with the C
+        forward; with `decode`, the first forward also holds the decode rows of slots
+        0..base-1 (logits [base + len(prompts), V], else [len(prompts), V]).
 
-        A prompt that shares a prefix of at least MIN_SHARED_PREFIX tokens with one of
-        `cached` (the tokens whose keys and values slots 0.. hold) or with an earlier prompt
-        (a GRPO group's samples share all of it) gets that prefix's keys and values copied
-        from there and computes only the rest; prompts that share with an earlier prompt
-        run in a second, smaller forward. Each row's maths is independent of the others',
-        so the results are bit-identical to computing every prompt in full.
+        A prompt that shares a prefix of at least MIN_SHARED_PREFIX tokens (and past its
+        image tokens) with one of `cached` (the keys of the tokens slots 0.. hold, as
+        `_Seq.kv_keys`) or with an earlier prompt (a GRPO group's samples share all of it)
+        gets that prefix's keys and values copied from there and computes only the rest;
+        prompts that share with an earlier prompt run in a second, smaller forward. Each
+        row's maths is independent of the others', so the results are bit-identical to
+        computing every prompt in full.
         """
         n_dec = base if decode else 0
-        donor, shared = _shared_prefixes(prompts, MIN_SHARED_PREFIX, cached)
+        keys = [s.keys + p[len(s.keys):] for s, p in zip(seqs, prompts)]
+        need = [max(MIN_SHARED_PREFIX, s.image_end) for s in seqs]
+        donor, shared = _shared_prefixes(keys, need, cached)
         # donors index cached + prompts; both are laid out from slot 0 (cached) and `base`
         slot_of = [d if d < len(cached) else base + d - len(cached) for d in donor]
         for i, d in enumerate(donor):
@@ -594,14 +610,16 @@ class LocalEngine:
         dependent = [i for i in range(len(prompts)) if donor[i] >= len(cached)]
         logits = torch.empty(n_dec + len(prompts), self.model.cfg.vocab_size,
                              dtype=self.model.dtype)
-        # the decode rows, and the prompts computed past any prefix from the cache
+        # the decode rows, and the prompts computed past any prefix from the cache; those
+        # computed from the start with their images
         rows = self._prompt_rows(base, [(i, shared[i]) for i in full], prompts)
         dec = torch.arange(n_dec)
+        tokens = torch.cat([self._last_token[:n_dec], rows[0]])
         logits[torch.cat([dec, n_dec + torch.tensor(full, dtype=torch.long)])] = \
             self.model.forward_rows(
-                torch.cat([self._last_token[:n_dec], rows[0]]), torch.cat([dec, rows[1]]),
-                torch.cat([self._position[:n_dec], rows[2]]), self.cache,
-                torch.cat([dec, n_dec + rows[3]]))
+                tokens, torch.cat([dec, rows[1]]), torch.cat([self._position[:n_dec], rows[2]]),
+                self.cache, torch.cat([dec, n_dec + rows[3]]),
+                self._row_images([seqs[i] for i in full if shared[i] == 0], n_dec, tokens))
         if dependent:
             for i in dependent:  # the shared prefix's keys and values, from the donor's slot
                 self.cache.move(slot_of[i], base + i, shared[i])
@@ -609,6 +627,18 @@ class LocalEngine:
             logits[n_dec + torch.tensor(dependent)] = self.model.forward_rows(
                 rows[0], rows[1], rows[2], self.cache, rows[3])
         return logits
+
+    def _row_images(self, seqs: list[_Seq], n_dec: int, tokens: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward_rows`' embeds for rows `tokens` [R]: the features of the images of
+        `seqs`, the prompts those rows compute from their first token, at their image
+        tokens (the first `n_dec` rows, decode rows, hold none); None if none has images."""
+        with_images = [s.req.images for s in seqs if s.req.images is not None]
+        if not with_images:
+            return None
+        mask = tokens == self.vision.image_token_id
+        mask[:n_dec] = False
+        return mask, torch.cat([self.vision.embed(images) for images in with_images])
 
     @staticmethod
     def _prompt_rows(base: int, parts: list[tuple[int, int]], prompts: list[list[int]]):
@@ -715,8 +745,14 @@ class LocalEngine:
             seq.on_done(error)
 
 
-def _any_images(seqs: list[_Seq]) -> bool:
-    return any(s.req.images is not None for s in seqs)
+def _prompt_keys(input_ids: list[int], image_token_id: int,
+                 images: ImageInputs) -> tuple[list[int], int]:
+    """(keys, image_end) of a prompt with images: its tokens, with each image token
+    replaced by one negative key for the prompt's images (a hash of their pixels); and the
+    index after its last image token."""
+    key = -1 - int.from_bytes(images.digest()[:7], "little")
+    keys = [key if t == image_token_id else t for t in input_ids]
+    return keys, max((i + 1 for i, t in enumerate(keys) if t == key), default=0)
 
 
 def _tops(logits: torch.Tensor, sb: SamplingBatch,
@@ -745,26 +781,32 @@ def _single_threaded():
         torch.set_num_threads(before)
 
 
-def _shared_prefixes(prompts: list[list[int]], min_shared: int,
+def _shared_prefixes(prompts: list[list[int]], min_shared: int | Sequence[int],
                      cached: Sequence[list[int]] = ()) -> tuple[list[int], list[int]]:
     """Where each prompt can take the keys and values of a prefix from, and how many.
 
-    Candidates are the token lists `cached` (already in the cache), then `prompts` in
-    order, where only prompts that take nothing from an earlier prompt count (they are
-    computed in full first). Per prompt: the candidate's index in cached + prompts with the
-    longest common prefix, or -1, and the number of tokens to take: at least `min_shared`,
+    Prompts and `cached` are keys (token ids, or any ints: `_Seq.keys`). Candidates are
+    `cached` (already in the cache), then `prompts` in order, where only prompts that take
+    nothing from an earlier prompt count (they are computed in full first). Per prompt:
+    the candidate's index in cached + prompts with the longest common prefix, or -1, and
+    the number of keys to take: at least `min_shared` (one for all, or one per prompt),
     and never the prompt's last token (whose logits it needs).
     """
     donor, shared = [-1] * len(prompts), [0] * len(prompts)
+    if isinstance(min_shared, int):
+        min_shared = [min_shared] * len(prompts)
     seqs = list(cached) + list(prompts)
     if len(seqs) < 2:
         return donor, shared
-    ids = torch.full((len(seqs), max(map(len, seqs)) + 1), -1, dtype=torch.long)
+    width = max(map(len, seqs)) + 1
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
     for i, p in enumerate(seqs):
         ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-    # common[i][j]: length of the common prefix of seqs i and j (-1 padding never matches
-    # a token, and the extra padding column ends every run)
-    eq = (ids[:, None, :] == ids[None, :, :]) & (ids[:, None, :] >= 0)
+        valid[i, :len(p)] = True
+    # common[i][j]: length of the common prefix of seqs i and j (padding never matches, and
+    # the extra padding column ends every run)
+    eq = (ids[:, None, :] == ids[None, :, :]) & valid[:, None, :] & valid[None, :, :]
     common = eq.cumprod(-1).sum(-1).tolist()
     sources = list(range(len(cached)))
     for i in range(len(prompts)):
@@ -774,8 +816,8 @@ def _shared_prefixes(prompts: list[list[int]], min_shared: int,
             if common[row][j] > best_len:
                 best, best_len = j, common[row][j]
         best_len = min(best_len, len(prompts[i]) - 1)
-        if best_len >= min_shared:
+        if best_len >= min_shared[i]:
             donor[i], shared[i] = best, best_len
-        if best < len(cached) or best_len < min_shared:  # computed in full (past the prefix)
+        if best < len(cached) or best_len < min_shared[i]:  # computed in full (past the prefix)
             sources.append(row)
     return donor, shared

@@ -10,7 +10,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from asyncrl.api.types import GenerationRequest, ImageInputs, SamplingParams
 from asyncrl.config.schema import LocalEngineConfig
-from asyncrl.inference.server.engine import LocalEngine
+from asyncrl.inference.server.engine import LocalEngine, _prompt_keys, _shared_prefixes
 from asyncrl.inference.server.model import Transformer
 from asyncrl.models.tiny import make_tiny_model
 from asyncrl.models.tiny_vlm import make_tiny_vlm
@@ -103,8 +103,8 @@ def test_sampled_tokens_log_probs_match_hf_with_the_image(vlm):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_image_and_text_requests_batched_mid_decode_match_running_alone(vlm, dtype):
-    # bf16 on CPU takes the one-call C forward: an image prompt is prefilled apart from the
-    # decode rows, a text prompt with them, and neither shares a prefix with the other
+    # bf16 on CPU takes the one-call C forward: the new prompts are computed with the
+    # decode rows, the image prompt with its features
     ids_a, images_a = prompt(vlm, color=(10, 200, 30))
     ids_b, images_b = prompt(vlm, size=(24, 40), color=(10, 200, 30))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
@@ -164,3 +164,130 @@ def test_image_inputs_cross_json_unchanged(vlm):
     assert torch.equal(back.images.pixel_attention_mask, images.pixel_attention_mask)
     with pytest.raises(ValueError, match="whose size fits its shape"):
         ImageInputs.from_dict({"pixel_values": {"shape": [1, 3, 32, 32], "data": "AAAA"}})
+
+
+# ---- shared prefixes of image prompts (the C forward) --------------------------------------
+
+
+def fused_engine(path: str, **kw) -> LocalEngine:
+    engine = new_engine(path, dtype="bfloat16", max_batch_size=8, **kw)
+    if not engine.model.fused:
+        pytest.skip("needs the C forward (AVX512-BF16)")
+    return engine
+
+
+def spy(engine: LocalEngine) -> tuple[list[int], list[int]]:
+    """(rows of each forward_rows call, tiles of each vision-encoder call) from now on."""
+    rows, tiles = [], []
+    forward, embed = engine.model.forward_rows, engine.vision.embed
+    engine.model.forward_rows = lambda tokens, *a: rows.append(len(tokens)) or forward(tokens, *a)
+    engine.vision.embed = lambda images: tiles.append(images.n_items) or embed(images)
+    return rows, tiles
+
+
+def copy(images: ImageInputs) -> ImageInputs:
+    return ImageInputs(pixel_values=images.pixel_values.clone(),
+                       pixel_attention_mask=images.pixel_attention_mask.clone())
+
+
+def sampled(ids: list[int], images: ImageInputs | None, seed: int) -> GenerationRequest:
+    return GenerationRequest(input_ids=ids, images=images, sampling=SamplingParams(
+        temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=seed))
+
+
+def alone(path: str, req: GenerationRequest):
+    return run(fused_engine(path), [req])[req.rid]
+
+
+def test_prompt_keys_tell_images_apart_by_their_pixels(vlm):
+    ids, images = prompt(vlm)
+    other_ids, other = prompt(vlm, color=(10, 200, 30))
+    assert other_ids == ids  # same tokens, other pixels
+    image_id = new_engine(vlm).vision.image_token_id
+    keys, end = _prompt_keys(ids, image_id, images)
+    at = [i for i, t in enumerate(ids) if t == image_id]
+    assert end == at[-1] + 1 and len({keys[i] for i in at}) == 1 and keys[at[0]] < 0
+    assert [k for i, k in enumerate(keys) if i not in at] == [t for i, t in enumerate(ids)
+                                                              if i not in at]
+    assert _prompt_keys(ids, image_id, copy(images)) == (keys, end)
+    other_keys, _ = _prompt_keys(ids, image_id, other)
+    assert [i for i, (a, b) in enumerate(zip(keys, other_keys)) if a != b] == at
+
+
+def test_a_group_of_image_prompts_runs_the_encoder_and_the_prompt_once(vlm):
+    ids, images = prompt(vlm)
+    _, other = prompt(vlm, color=(10, 200, 30))
+    group = [sampled(ids, copy(images), seed) for seed in range(4)]
+    stranger = sampled(ids, other, 0)  # the group's tokens, other pixels
+    engine = fused_engine(vlm)
+    rows, tiles = spy(engine)
+    out = run(engine, group + [stranger])
+    # first: the group's first prompt and the stranger in full, each with its tiles; then
+    # the last token of each of the 3 other samples, past the shared prompt
+    assert rows[:2] == [2 * len(ids), 3] and tiles == [images.n_items] * 2
+    for req in group + [stranger]:
+        single = alone(vlm, req)
+        assert out[req.rid].output_ids == single.output_ids
+        assert out[req.rid].output_logprobs == single.output_logprobs
+    # the stranger's pixels change its log-probs: sharing the group's cache would show
+    assert alone(vlm, sampled(ids, images, 0)).output_logprobs != \
+        out[stranger.rid].output_logprobs
+
+
+def test_an_image_prompt_admitted_mid_decode_reuses_a_running_one_bit_for_bit(vlm):
+    ids, images = prompt(vlm)
+    first, second = sampled(ids, images, 1), sampled(ids, copy(images), 2)
+    engine, out = fused_engine(vlm), {}
+    rows, tiles = spy(engine)
+    engine.submit(first, lambda r: out.__setitem__(first.rid, r))
+    for _ in range(3):
+        engine.step()
+    engine.submit(second, lambda r: out.__setitem__(second.rid, r))
+    engine.step()
+    assert rows[3] == 1 + 1 and tiles == [images.n_items]  # a decode row + the last token
+    while len(out) < 2:
+        engine.step()
+    for req in (first, second):
+        assert out[req.rid].output_logprobs == alone(vlm, req).output_logprobs
+
+
+def test_a_text_prompt_shares_only_the_text_before_an_image(vlm):
+    ids, images = prompt(vlm)
+    image_id = new_engine(vlm).vision.image_token_id
+    start = ids.index(image_id)
+    keys, end = _prompt_keys(ids, image_id, images)
+    text = ids[:start] + [5] * 12  # the image prompt's opening, then text
+    donor, shared = _shared_prefixes([keys, text, keys, ids[:start] + ids[end:]],
+                                     [max(2, end), 2, max(2, end), 2])
+    # the text prompt takes the opening from the image prompt; the second image prompt all
+    # but its last token; the text without the image only the opening
+    assert donor == [-1, 0, 0, 0] and shared == [0, start, len(ids) - 1, start]
+
+
+def test_kv_recompute_after_an_update_shares_a_group_of_image_prompts(vlm, vlm_v1,
+                                                                      monkeypatch):
+    ids, images = prompt(vlm)
+    runs = []
+    for min_shared in (8, 10**9):  # shared prefixes, then none
+        monkeypatch.setattr("asyncrl.inference.server.engine.MIN_SHARED_PREFIX", min_shared)
+        engine = fused_engine(vlm, recompute_kv_on_update=True)
+        reqs = [sampled(ids, copy(images), seed) for seed in range(3)]
+        out: dict = {}
+        for r in reqs:
+            engine.submit(r, lambda resp, rid=r.rid: out.__setitem__(rid, resp))
+        for _ in range(3):
+            engine.step()
+        rows, tiles = spy(engine)
+        engine.update_weights(vlm_v1, version=1)  # 3 sequences recomputed under version 1
+        recompute = (list(rows), list(tiles))
+        while len(out) < 3:
+            engine.step()
+        runs.append(([out[r.rid].output_logprobs for r in reqs], recompute))
+    # 3 generated tokens each, 2 of them in the cache; samples 1 and 2 take from sample 0
+    # all they share with it (the prompt, and any equal first token)
+    n = len(ids) + 2
+    firsts = [out[r.rid].output_ids[:2] for r in reqs]
+    past = [2 - (a[0] == firsts[0][0]) - (a[:2] == firsts[0]) for a in firsts[1:]]
+    assert runs[0][1] == ([n, sum(past)], [images.n_items])
+    assert runs[1][1] == ([3 * n], [images.n_items] * 3)
+    assert runs[0][0] == runs[1][0]
