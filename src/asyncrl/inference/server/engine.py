@@ -638,6 +638,8 @@ class LocalEngine:
             return None
         mask = tokens == self.vision.image_token_id
         mask[:n_dec] = False
+        # one encoder call per prompt, as when it runs alone (a batched call may round
+        # otherwise, and a request's log-probs must not depend on what it is batched with)
         return mask, torch.cat([self.vision.embed(images) for images in with_images])
 
     @staticmethod
