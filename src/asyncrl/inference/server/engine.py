@@ -90,8 +90,8 @@ class _Seq:
     stop: StopChecker
     t_submit: float
     on_token: TokenCallback | None = None
-    # the prompt's tokens as prefixes are shared by: image tokens replaced by a key of the
-    # pixels (`_prompt_keys`); the prompt is shared past its image tokens only (image_end)
+    # the prompt's tokens as the C forward shares prefixes by: image tokens replaced by a
+    # key of the pixels (`_prompt_keys`); shared past its image tokens only (image_end)
     keys: list[int] = field(default_factory=list)
     image_end: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -283,11 +283,11 @@ class LocalEngine:
         self._check_request(req)
         seq = _Seq(req=req, on_done=on_done, t_submit=time.monotonic(), on_token=on_token,
                    stop=StopChecker(req.sampling, self.eos_ids, self._decode_text))
-        if req.images is not None:
+        if req.images is None:
+            seq.keys = req.input_ids
+        elif self.model.fused:  # only the C forward shares prefixes: hash the pixels for it
             seq.keys, seq.image_end = _prompt_keys(req.input_ids, self.vision.image_token_id,
                                                    req.images)
-        else:
-            seq.keys = list(req.input_ids)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the inference engine was shut down")
