@@ -13,13 +13,18 @@ blue circle", the shapes in reading order of their cells): a target that names e
 shape, where a question's answer names one fact. Trained on the questions alone, the new
 vision encoder learns little of the image, and the model answers about as well with a
 blank one (examples/vlm/README.md). `--no-descriptions` writes the questions alone.
+
+`--worked` writes each question's answer worked from the scene instead, the shapes named
+and then the answer ("red square, blue circle. Answer: 2"; `visual_tasks.worked_answer`),
+with no separate description rows: every row names the shapes before it answers, as
+shapes_worked_sft_cpu.yaml and shapes_worked_grpo_cpu.yaml expect.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from asyncrl.data.visual_tasks import DESCRIBE, describe, generate, scene_of
+from asyncrl.data.visual_tasks import DESCRIBE, describe, generate, scene_of, worked_answer
 
 
 def main() -> None:
@@ -33,12 +38,17 @@ def main() -> None:
     parser.add_argument("--no-descriptions", action="store_true",
                         help="write the questions alone, without a description row per "
                              "training image")
+    parser.add_argument("--worked", action="store_true",
+                        help="answers worked from the scene: the shapes, then 'Answer: ...' "
+                             "(no description rows)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for split, size in (("train", args.train_size), ("held_out", args.held_out_size)):
         items = generate(size=size, seed=args.seed, split=split, canvas=args.canvas)
         rows = list(items)
-        if split == "train" and not args.no_descriptions:
+        if args.worked:
+            rows = [{**item, "answer": worked_answer(item, args.canvas)} for item in items]
+        elif split == "train" and not args.no_descriptions:
             rows += [description_row(item, args.canvas) for item in items]
         with open(args.out / f"{split}.jsonl", "w") as f:
             for row in rows:

@@ -361,8 +361,8 @@ def _add_eval_parser(sub) -> None:
                    help="a run's config: its valid_dataset, reward, system prompt, few-shot "
                         "examples and evaluation length, unless given here")
     p.add_argument("--reward", default=None,
-                   help="reward_fn: gsm8k (default), reasoning_gym, code, or "
-                        "package.module:function")
+                   help="reward_fn: gsm8k (default), reasoning_gym, code, short_answer, "
+                        "marked_short_answer, or package.module:function")
     p.add_argument("--answer-fn", default=None,
                    help="what maj@k votes over: package.module:function(completion) -> answer "
                         "(default: the built-in reward's own extractor)")

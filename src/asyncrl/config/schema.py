@@ -283,6 +283,7 @@ class WorkflowConfig:
     # "gsm8k" (math-verify on "#### N" or \boxed{}), "reasoning_gym" (the task's own scorer),
     # "code" (the share of the item's tests its program passes, in the sandbox),
     # "short_answer" (a word, number or yes/no, exact match after normalisation),
+    # "marked_short_answer" (the same, after the completion's last "Answer:"),
     # "reward_model" (a model trained by `asyncrl rm`, at reward_model_path), or
     # "package.module:function" taking (completion, item) -> float.
     # null: no reward (only for actor.distill_mode=on_policy, which does not use one).

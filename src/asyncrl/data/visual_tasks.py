@@ -122,6 +122,13 @@ def describe(shapes: list[Shape], canvas: int) -> str:
     return ", ".join(f"{s.colour} {s.kind}" for s in ordered)
 
 
+def worked_answer(item: dict[str, Any], canvas: int = 64) -> str:
+    """`item`'s answer worked from the scene: the shapes named as `describe` names them, then
+    the answer after "Answer:" ("red square, blue circle. Answer: 2"), the form the
+    marked_short_answer reward reads."""
+    return f"{describe(scene_of(item), canvas)}. Answer: {item['answer']}"
+
+
 def data_url(image: Any) -> str:
     """`image` as a PNG data URL."""
     buf = io.BytesIO()

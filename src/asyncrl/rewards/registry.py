@@ -17,6 +17,8 @@ BUILTIN_REWARDS = {
     "code": "asyncrl.agents.code_reward:code_reward",
     # a word, number or yes/no, matched exactly after normalisation (the visual task's)
     "short_answer": "asyncrl.rewards.short_answer:short_answer_reward",
+    # the same, read after the completion's last "Answer:" (a reasoning first, then the answer)
+    "marked_short_answer": "asyncrl.rewards.short_answer:marked_short_answer_reward",
 }
 
 # The function that reads the final answer from a completion, per built-in reward, as the
@@ -25,6 +27,7 @@ BUILTIN_ANSWER_FNS = {
     "gsm8k": "asyncrl.rewards.gsm8k:extract_final_answer",
     "reasoning_gym": "asyncrl.rewards.rgym:extract_tagged_answer",
     "short_answer": "asyncrl.rewards.short_answer:normalize_short_answer",
+    "marked_short_answer": "asyncrl.rewards.short_answer:extract_marked_answer",
 }
 
 

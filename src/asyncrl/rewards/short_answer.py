@@ -4,6 +4,10 @@ Normalising lower-cases the text, drops surrounding whitespace, quotes and final
 punctuation, and writes the number words zero to ten as digits: "Three." and "3" match,
 "red" and "Red" match, "a red one" does not match "red" (the answer must be the answer
 alone, as the prompt asks).
+
+`marked_short_answer_reward` scores a completion that reasons first and gives its answer
+after a marker ("red square, blue circle. Answer: 2"): the text after the last "Answer:"
+(any case) is matched as above, and a completion without the marker scores 0.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 _NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"))}
 _STRIP = " \t\n\"'`.,!?;:"
+ANSWER_MARKER = "answer:"
 
 
 def normalize_short_answer(text: str) -> str:
@@ -26,3 +31,21 @@ def short_answer_reward(completion: str, item: dict[str, Any]) -> float:
     if "answer" not in item:
         raise KeyError(f"item {item.get('id')!r} has no 'answer' for the short_answer reward")
     return float(normalize_short_answer(completion) == normalize_short_answer(str(item["answer"])))
+
+
+def extract_marked_answer(completion: str) -> str | None:
+    """The normalised text after the last "Answer:" (any case) in `completion`, or None when
+    there is no marker."""
+    at = completion.lower().rfind(ANSWER_MARKER)
+    if at < 0:
+        return None
+    return normalize_short_answer(completion[at + len(ANSWER_MARKER):])
+
+
+def marked_short_answer_reward(completion: str, item: dict[str, Any]) -> float:
+    """1.0 if the answer after the completion's last "Answer:" equals item["answer"] after
+    normalisation, else 0.0 (also when the completion gives no "Answer:")."""
+    if "answer" not in item:
+        raise KeyError(f"item {item.get('id')!r} has no 'answer' for the marked_short_answer "
+                       "reward")
+    return float(extract_marked_answer(completion) == normalize_short_answer(str(item["answer"])))

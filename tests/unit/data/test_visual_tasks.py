@@ -23,9 +23,10 @@ from asyncrl.data.visual_tasks import (
     hf_image_item,
     scene_of,
     train_tasks,
+    worked_answer,
 )
 from asyncrl.rewards.registry import resolve_answer_fn, resolve_reward_fn
-from asyncrl.rewards.short_answer import short_answer_reward
+from asyncrl.rewards.short_answer import marked_short_answer_reward, short_answer_reward
 
 TRAIN = train_tasks(size=200, seed=0)
 HELD_OUT = held_out_tasks(size=100, seed=0)
@@ -170,6 +171,37 @@ def test_short_answer_reward_matches_after_normalisation_only():
     assert resolve_answer_fn("short_answer")("Two.") == "2"
     with pytest.raises(KeyError, match="item 'q' has no 'answer'"):
         short_answer_reward("3", {"id": "q"})
+
+
+def test_marked_short_answer_reads_the_text_after_the_last_marker():
+    item = {"id": "q", "answer": "2"}
+    assert marked_short_answer_reward("red square, blue circle. Answer: 2", item) == 1.0
+    assert marked_short_answer_reward("red square. ANSWER: Two.", item) == 1.0
+    # the last marker counts; what comes before it is reasoning, not the answer
+    assert marked_short_answer_reward("Answer: 2, no wait. Answer: 3", item) == 0.0
+    assert marked_short_answer_reward("Answer: 3. Answer: 2", item) == 1.0
+    assert marked_short_answer_reward("2", item) == 0.0  # no marker, no answer
+    assert marked_short_answer_reward("Answer: 2 shapes", item) == 0.0
+    assert resolve_reward_fn("marked_short_answer") is marked_short_answer_reward
+    assert resolve_answer_fn("marked_short_answer")("x. answer: Yes!") == "yes"
+    assert resolve_answer_fn("marked_short_answer")("yes") is None
+    with pytest.raises(KeyError, match="item 'q' has no 'answer'"):
+        marked_short_answer_reward("Answer: 3", {"id": "q"})
+
+
+def test_a_worked_answer_names_the_shapes_then_scores_as_the_answer():
+    for item in TRAIN[:50]:
+        worked = worked_answer(item)
+        shapes, answer = worked.split(". Answer: ")
+        assert answer == item["answer"]
+        # the shapes as the pixels show them (flood fill), in some order
+        assert Counter(tuple(s.split()) for s in shapes.split(", ")) == \
+            Counter(item_regions(item["id"]))
+        assert marked_short_answer_reward(worked, item) == 1.0
+    item = TRAIN[0]
+    assert worked_answer({**item, "metadata": {"shapes": [
+        ["circle", "blue", 40, 2, 55, 17], ["square", "red", 2, 2, 17, 17]]}}) == \
+        f"red square, blue circle. Answer: {item['answer']}"
 
 
 def test_an_hf_image_row_becomes_an_item_without_its_image_marker():
