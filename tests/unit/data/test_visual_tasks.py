@@ -4,11 +4,13 @@ fill, not from the generator's scene), the splits share no image, and the reward
 import base64
 import functools
 import io
+import json
 import re
 from collections import Counter, deque
 
 import numpy as np
 import pytest
+from example_scripts import load_example
 from PIL import Image
 
 from asyncrl.config.schema import DatasetConfig
@@ -226,3 +228,26 @@ def test_decontamination_keeps_a_templated_question_about_another_image():
     assert held_out([pil], [other]) == [pil]
     with pytest.raises(ValueError, match="all 1 held-out items also appear"):
         held_out([pil], [same])
+
+
+@pytest.mark.parametrize("worked", [False, True])
+def test_make_data_writes_questions_with_descriptions_or_worked_answers(tmp_path, monkeypatch,
+                                                                        worked):
+    make_data = load_example("vlm/make_data.py")
+    monkeypatch.setattr("sys.argv", ["make_data.py", "--out", str(tmp_path), "--train-size", "5",
+                                     "--held-out-size", "3", *(["--worked"] * worked)])
+    make_data.main()
+    rows = {split: [json.loads(line) for line in open(tmp_path / f"{split}.jsonl")]
+            for split in ("train", "held_out")}
+    items = {"train": train_tasks(size=5, seed=0), "held_out": held_out_tasks(size=3, seed=0)}
+    for split, expected in items.items():
+        questions = rows[split][:len(expected)]
+        assert [r["id"] for r in questions] == [i["id"] for i in expected]
+        assert [r["answer"] for r in questions] == \
+            [worked_answer(i) if worked else i["answer"] for i in expected]
+    # a description row per training image, unless the answers are worked
+    extra = rows["train"][5:]
+    assert len(extra) == (0 if worked else 5)
+    assert [r["answer"] for r in extra] == \
+        ([] if worked else [describe(scene_of(i), 64) for i in items["train"]])
+    assert len(rows["held_out"]) == 3
