@@ -184,6 +184,8 @@ def test_marked_short_answer_reads_the_text_after_the_last_marker():
     assert marked_short_answer_reward("Answer: 3. Answer: 2", item) == 1.0
     assert marked_short_answer_reward("2", item) == 0.0  # no marker, no answer
     assert marked_short_answer_reward("Answer: 2 shapes", item) == 0.0
+    # "İ" lower-cases to two characters; the answer is still read from the text as written
+    assert marked_short_answer_reward("İİİAnswer:10", {"answer": "10"}) == 1.0
     assert resolve_reward_fn("marked_short_answer") is marked_short_answer_reward
     assert resolve_answer_fn("marked_short_answer")("x. answer: Yes!") == "yes"
     assert resolve_answer_fn("marked_short_answer")("yes") is None
