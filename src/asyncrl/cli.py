@@ -70,6 +70,10 @@ def print_summary(summary: dict) -> None:
     if after is not None:
         print(f"held-out reward after training : {after:.4f}"
               + (f"  ({after - before:+.4f})" if before is not None else ""))
+    tasks_before = summary.get("eval_before_by_task", {})
+    for task, reward in summary.get("eval_after_by_task", {}).items():
+        was = tasks_before.get(task)
+        print(f"  {task}: " + (f"{was:.4f} -> " if was is not None else "") + f"{reward:.4f}")
     for finding in summary.get("health", []):
         print(f"WARNING, the run cannot learn: {finding}")
     for key in ("stats", "reward_curve", "timeline"):

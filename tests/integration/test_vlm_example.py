@@ -82,7 +82,8 @@ def grpo_two_steps(yaml: str, start: Path, fileroot: Path) -> None:
         f"cluster.fileroot={fileroot}", f"actor.path={start}",
         "actor.dtype=float32", "local_engine.dtype=float32", "local_engine.max_batch_size=16",
         "gconfig.max_new_tokens=4", "train_dataset.size=16", "train_dataset.batch_size=2",
-        "valid_dataset.size=2", "total_train_steps=2", "rollout.max_head_offpolicyness=0",
+        "valid_dataset.size=2", "valid_dataset.task_kwargs.held_out_size=3",
+        "total_train_steps=2", "rollout.max_head_offpolicyness=0",
         # the 2-step model's groups may all score 0, which dynamic sampling would drop
         "rollout.dynamic_sampling=false",
         "scheduler.inference_threads=1", "scheduler.trainer_threads=1", *QUIET])
@@ -90,6 +91,9 @@ def grpo_two_steps(yaml: str, start: Path, fileroot: Path) -> None:
     rows = read_stats(run / "stats.jsonl")
     # the held-out evaluation before training runs beside the first steps
     assert sorted(r["kind"] for r in rows) == ["eval", "eval", "train", "train"], yaml
+    for row in (r for r in rows if r["kind"] == "eval"):  # each split's new scenes apart
+        assert (row["eval/task/visual_shapes/n"], row["eval/task/visual_shapes_held_out/n"],
+                row["eval/n"]) == (2, 3, 5)
     first = min((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
     # exp(trainer's - server's log-prob) on every sampled token of the first step
     assert abs(first["train/imp_weight_max"] - 1) < 1e-4

@@ -30,6 +30,7 @@ from asyncrl.controller.workflows import RLVRWorkflow
 from asyncrl.data import load_dataset
 from asyncrl.launch.commands import BACKENDS
 from asyncrl.observe import ProgressBar
+from asyncrl.observe.stats import by_task
 from asyncrl.openai.images import load_image_prompts
 from asyncrl.rewards.registry import BUILTIN_ANSWER_FNS, resolve_answer_fn, resolve_reward_fn
 from asyncrl.rewards.runner import RewardRunner
@@ -213,6 +214,11 @@ def table(stats: dict[str, float], ks: list[int]) -> str:
     lines.append(f"items {int(stats['eval/n'])}, failed {int(stats['eval/failed'])}, "
                  f"mean reward {stats['eval/reward']:.4f}, "
                  f"mean output tokens {stats['eval/output_tokens_mean']:.1f}")
+    for task, task_stats in by_task(stats).items():
+        lines.append(f"  {task}: items {int(task_stats['n'])}, mean reward "
+                     f"{task_stats['reward']:.4f}"
+                     + "".join(f", {m}@{k} {task_stats[f'{m}@{k}']:.4f}"
+                               for k in ks for m in metrics))
     return "\n".join(lines)
 
 

@@ -52,6 +52,7 @@ from asyncrl.observe import (
 )
 from asyncrl.observe.paths import RunPaths, setup_logging
 from asyncrl.observe.periodic import Periodic
+from asyncrl.observe.stats import by_task
 from asyncrl.observe.timeline import Timeline, plot_timeline
 from asyncrl.openai.images import load_image_prompts
 from asyncrl.trainer.service import TrainingServiceError
@@ -344,8 +345,13 @@ class RLTrainer:
         self.stats.log(step, stats, kind="eval")
         write_samples(self.paths.root / "eval" / f"step{step}.jsonl", trajectories)
         self.summary[name] = stats["eval/reward"]
-        logger.info("%s: held-out reward %.4f over %d items (step %d)",
-                       name, stats["eval/reward"], int(stats["eval/n"]), step)
+        tasks = by_task(stats)
+        if tasks:
+            self.summary[f"{name}_by_task"] = {t: s["reward"] for t, s in tasks.items()}
+        logger.info("%s: held-out reward %.4f over %d items (step %d)%s",
+                    name, stats["eval/reward"], int(stats["eval/n"]), step,
+                    "".join(f"; {t} {s['reward']:.4f} ({int(s['n'])})"
+                            for t, s in tasks.items()))
 
     def _restore(self) -> int:
         mode, root = self.cfg.recover.mode, self.paths.recover

@@ -15,7 +15,9 @@ both and the held-out score measures transfer to unseen combinations of known pa
 An item carries its image as a PNG data URL in `images` (what the RLVR workflow and the
 SFT rows take) and the scene in `metadata`; the same (size, seed, split) gives the same
 items. `train_tasks` and `held_out_tasks` are dataset generators
-(`train_dataset.path: python:asyncrl.data.visual_tasks:train_tasks`).
+(`train_dataset.path: python:asyncrl.data.visual_tasks:train_tasks`); `eval_tasks` holds
+new scenes of both splits, whose items' tasks (`visual_shapes`, `visual_shapes_held_out`)
+an evaluation reports apart.
 
 `hf_image_tasks` maps an HF image-question dataset (CLEVR counting, Geometry3K: rows of
 "images", "problem" and "answer") to the same item shape, for the GPU examples.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SPLITS = ("train", "held_out")
+TASKS = {"train": "visual_shapes", "held_out": "visual_shapes_held_out"}  # items' "task"
 SHAPES = ("square", "circle", "triangle")
 # Saturated and far apart, so a pixel's colour names its shape's colour exactly.
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220),
@@ -152,7 +155,7 @@ def generate(*, size: int, seed: int, split: str = "train",
         shapes = _scene(rng, split, canvas)
         question, answer = _question(rng, shapes)
         items.append({
-            "id": f"shapes-{split}-s{seed}-{i}", "task": "visual_shapes",
+            "id": f"shapes-{split}-s{seed}-{i}", "task": TASKS[split],
             "question": question, "answer": answer,
             "images": [data_url(render(shapes, canvas))],
             "metadata": {"shapes": [[s.kind, s.colour, *s.box] for s in shapes]},
@@ -173,6 +176,16 @@ def train_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any
 def held_out_tasks(*, size: int, seed: int, canvas: int = 64) -> list[dict[str, Any]]:
     """Held-out items: every scene holds a held-out (shape, colour) pair."""
     return generate(size=size, seed=seed, split="held_out", canvas=canvas)
+
+
+def eval_tasks(*, size: int, seed: int, held_out_size: int = 192, held_out_seed: int = 0,
+               canvas: int = 64) -> list[dict[str, Any]]:
+    """An evaluation set of both kinds of new scene: `size` items of the training split
+    (`train_tasks(size=size, seed=seed)`: give a seed no training set uses) and then
+    `held_out_size` of the held-out split (`held_out_tasks(size=held_out_size,
+    seed=held_out_seed)`). Their tasks differ, so an evaluation reports each one's reward."""
+    return (train_tasks(size=size, seed=seed, canvas=canvas)
+            + held_out_tasks(size=held_out_size, seed=held_out_seed, canvas=canvas))
 
 
 def hf_image_item(row: dict[str, Any], *, item_id: str, task: str) -> dict[str, Any]:

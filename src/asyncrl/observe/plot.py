@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
-from asyncrl.observe.stats import read_stats
+from asyncrl.observe.stats import TASK_PREFIX, read_stats
+
+# each task's held-out curve; blue and red are the training and whole-set curves'
+TASK_COLOURS = ("tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+                "tab:cyan", "tab:gray")
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -22,13 +27,21 @@ def reward_curve_series(rows: list[dict[str, Any]], *, window: int = 5
                         ) -> dict[str, tuple[list[int], list[float]]]:
     """The reward curve's series, (steps, rewards) each, from stats.jsonl rows: "train"
     (the batch's reward per step), "train_mean" (its `window`-step running mean) and
-    "held_out" (greedy reward at each evaluation, at the step of the weights it read)."""
+    "held_out" (greedy reward at each evaluation, at the step of the weights it read), and
+    "held_out:<task>" for each task of a held-out set that mixes tasks."""
     train = [r for r in rows if r["kind"] == "train" and r.get("rollout/reward") is not None]
     evals = [r for r in rows if r["kind"] == "eval" and r.get("eval/reward") is not None]
     steps = [r["step"] for r in train]
     rewards = [r["rollout/reward"] for r in train]
-    return {"train": (steps, rewards), "train_mean": (steps, _smooth(rewards, window)),
-            "held_out": ([r["step"] for r in evals], [r["eval/reward"] for r in evals])}
+    series = {"train": (steps, rewards), "train_mean": (steps, _smooth(rewards, window)),
+              "held_out": ([r["step"] for r in evals], [r["eval/reward"] for r in evals])}
+    tasks = sorted({key for r in evals for key in r
+                    if key.startswith(TASK_PREFIX) and key.endswith("/reward")})
+    for key in tasks:  # a mixed held-out set: each task's reward too
+        task = key[len(TASK_PREFIX):-len("/reward")]
+        rows_with = [r for r in evals if key in r]
+        series[f"held_out:{task}"] = ([r["step"] for r in rows_with], [r[key] for r in rows_with])
+    return series
 
 
 def plot_reward_curve(stats_path: Path, out_path: Path, *, title: str = "") -> Path:
@@ -45,6 +58,9 @@ def plot_reward_curve(stats_path: Path, out_path: Path, *, title: str = "") -> P
         ax.plot(*series["train_mean"], color="tab:blue", label="train reward (5-step mean)")
     if series["held_out"][0]:
         ax.plot(*series["held_out"], "o-", color="tab:red", label="held-out reward (greedy)")
+    tasks = [name for name in series if name.startswith("held_out:")]
+    for name, colour in zip(tasks, itertools.cycle(TASK_COLOURS)):
+        ax.plot(*series[name], "s--", color=colour, label=f"held-out: {name[len('held_out:'):]}")
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_title(title or "reward")

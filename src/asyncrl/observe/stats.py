@@ -13,6 +13,10 @@ from asyncrl.api import Trajectory
 from asyncrl.config.schema import StatsLoggerConfig
 from asyncrl.observe.trackers import open_trackers
 
+# An evaluation set that mixes tasks (its items' "task") logs each task's stats under
+# eval/task/<task>/<name>: reward, n, and the scores (pass@k, ...).
+TASK_PREFIX = "eval/task/"
+
 
 def _finite(value: Any) -> Any:
     """JSON has no NaN/inf: write them as null so every line stays parseable."""
@@ -27,6 +31,17 @@ def _scalars(stats: dict[str, Any], kind: str) -> dict[str, float]:
     return {key if key.startswith(f"{kind}/") else f"{kind}/{key}": value
             for key, value in stats.items()
             if isinstance(value, (int, float)) and math.isfinite(value)}
+
+
+def by_task(stats: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The per-task stats of a mixed evaluation set, {task: {"reward": ..., "n": ...}};
+    empty when every item had one task."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in stats.items():
+        if key.startswith(TASK_PREFIX):
+            task, _, name = key[len(TASK_PREFIX):].rpartition("/")
+            out.setdefault(task, {})[name] = value
+    return out
 
 
 class StatsLogger:

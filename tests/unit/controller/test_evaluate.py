@@ -14,6 +14,7 @@ from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, table, write_
 from asyncrl.config import load_config
 from asyncrl.controller.rl import eval_concurrency, eval_in_flight
 from asyncrl.controller.rollout.evaluate import evaluate
+from asyncrl.observe.stats import by_task
 from asyncrl.rewards.gsm8k import extract_final_answer
 
 # Each item's samples (completion, reward), as a workflow with n = 4 returns them.
@@ -64,6 +65,37 @@ def test_a_failed_item_is_counted_and_left_out_of_the_means():
     result = run_scripted(["a", "broken"], ks=(1,))
     assert (result.stats["eval/n"], result.stats["eval/failed"]) == (1.0, 1.0)
     assert result.stats["eval/pass@1"] == pytest.approx(0.5)
+
+
+def test_a_set_of_several_tasks_reports_each_tasks_scores():
+    items = [{"id": "a", "task": "x"}, {"id": "b", "task": "y"}, {"id": "c", "task": "y"}]
+    stats = asyncio.run(evaluate(None, Scripted(), items, concurrency=2, ks=(1, 2),
+                                 extract_answer=extract_final_answer)).stats
+    # x: item a alone, 2 of 4 right; y: b (1 of 4) and c (0 of 4)
+    assert stats["eval/task/x/reward"] == pytest.approx(0.5)
+    assert stats["eval/task/y/reward"] == pytest.approx(1 / 8)
+    assert (stats["eval/task/x/n"], stats["eval/task/y/n"]) == (1.0, 2.0)
+    assert stats["eval/task/x/pass@2"] == pytest.approx(5 / 6)
+    assert stats["eval/task/y/pass@2"] == pytest.approx((0.5 + 0) / 2)
+    assert stats["eval/reward"] == pytest.approx(3 / 12)
+    # mean@k and maj@k read the first k samples: a's are "4" (right), "5"; b's "7", "7"
+    assert by_task(stats) == {
+        "x": {"reward": 0.5, "n": 1.0, "pass@1": 0.5, "pass@2": pytest.approx(5 / 6),
+              "mean@1": 1.0, "mean@2": 0.5, "maj@1": 1.0, "maj@2": 1.0},
+        "y": {"reward": 1 / 8, "n": 2.0, "pass@1": 1 / 8, "pass@2": 0.25, "mean@1": 0.0,
+              "mean@2": 0.0, "maj@1": 0.0, "maj@2": 0.0}}
+    lines = table(stats, [1, 2]).splitlines()
+    assert lines[-2:] == [
+        "  x: items 1, mean reward 0.5000, pass@1 0.5000, maj@1 1.0000, mean@1 1.0000, "
+        "pass@2 0.8333, maj@2 1.0000, mean@2 0.5000",
+        "  y: items 2, mean reward 0.1250, pass@1 0.1250, maj@1 0.0000, mean@1 0.0000, "
+        "pass@2 0.2500, maj@2 0.0000, mean@2 0.0000"]
+
+
+def test_a_set_of_one_task_has_no_per_task_stats():
+    items = [{"id": "a", "task": "x"}, {"id": "b", "task": "x"}]
+    stats = asyncio.run(evaluate(None, Scripted(), items, concurrency=2, ks=(1,))).stats
+    assert by_task(stats) == {} and not any(k.startswith("eval/task/") for k in stats)
 
 
 def test_without_an_extractor_there_is_no_maj_at_k():

@@ -153,6 +153,16 @@ def test_a_config_loads_the_items_by_name_with_the_canvas_as_a_task_kwarg():
     assert pixels(items[0]).shape == (96, 96, 3)
 
 
+def test_an_eval_set_holds_both_splits_as_two_tasks():
+    cfg = DatasetConfig(path="python:asyncrl.data.visual_tasks:eval_tasks", size=6, seed=98,
+                        task_kwargs={"held_out_size": 4, "held_out_seed": 3})
+    items = load_dataset(cfg)
+    assert items == train_tasks(size=6, seed=98) + held_out_tasks(size=4, seed=3)
+    assert [i["task"] for i in items] == ["visual_shapes"] * 6 + ["visual_shapes_held_out"] * 4
+    assert {i["task"] for i in TRAIN} == {"visual_shapes"}
+    assert {i["task"] for i in HELD_OUT} == {"visual_shapes_held_out"}
+
+
 def test_bad_arguments_name_what_to_change():
     with pytest.raises(ValueError, match="split 'test' is not one of"):
         generate(size=1, seed=0, split="test")

@@ -25,6 +25,18 @@ def test_the_curve_has_the_held_out_points_at_their_steps():
     assert steps == [1, 2, 3] and mean == pytest.approx([0.2, 0.3, 0.5])  # 2-step means
 
 
+def test_a_mixed_held_out_set_has_a_series_per_task():
+    rows = [{"step": 0, "kind": "eval", "eval/reward": 0.5, "eval/task/a/reward": 0.75,
+             "eval/task/a/n": 4.0, "eval/task/b/reward": 0.25, "eval/task/b/n": 4.0},
+            {"step": 5, "kind": "eval", "eval/reward": 0.625, "eval/task/a/reward": 1.0,
+             "eval/task/a/n": 4.0, "eval/task/b/reward": 0.25, "eval/task/b/n": 4.0}]
+    series = reward_curve_series(rows)
+    assert series["held_out"] == ([0, 5], [0.5, 0.625])
+    assert series["held_out:a"] == ([0, 5], [0.75, 1.0])
+    assert series["held_out:b"] == ([0, 5], [0.25, 0.25])
+    assert sorted(series) == ["held_out", "held_out:a", "held_out:b", "train", "train_mean"]
+
+
 def test_plot_reward_curve_reads_stats_jsonl(tmp_path):
     stats = tmp_path / "stats.jsonl"
     stats.write_text("".join(json.dumps(r) + "\n" for r in _rows()))

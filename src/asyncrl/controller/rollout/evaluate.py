@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.api import InferenceEngine, Trajectory, Workflow
+from asyncrl.observe.stats import TASK_PREFIX
 from asyncrl.rewards.estimators import maj_at_k, mean_at_k, pass_at_k
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict
     Stats: `eval/reward` (the mean reward of all scored samples), `eval/n` (items scored),
     `eval/failed`, `eval/output_tokens_mean`, and for each k of `ks`: `eval/pass@k` (a sample
     is correct when its reward >= `pass_threshold`), `eval/mean@k`, and `eval/maj@k` when
-    `extract_answer` reads answers from completions. Each k must be at most the samples per
+    `extract_answer` reads answers from completions. When the items hold more than one
+    `task`, each task's reward, item count and scores as well (`eval/task/<task>/reward`). Each k must be at most the samples per
     item. Failed items are counted, logged with their cause and left out of every mean.
     `on_item` is called as each item ends (None for a failed one).
     """
@@ -143,7 +145,19 @@ def _stats(scored: list[ItemScore], trajectories: list[Trajectory], failures: in
     }
     for name in scored[0].scores:
         stats[f"eval/{name}"] = sum(s.scores[name] for s in scored) / len(scored)
+    tasks: dict[str, list[ItemScore]] = {}
+    for s in scored:
+        tasks.setdefault(str(s.item.get("task", "")), []).append(s)
+    if len(tasks) > 1:  # a mixed set: each task's mean as well
+        for task, group in sorted(tasks.items()):
+            rewards = [r for s in group for r in s.rewards]
+            stats[f"{TASK_PREFIX}{task}/reward"] = sum(rewards) / len(rewards)
+            stats[f"{TASK_PREFIX}{task}/n"] = float(len(group))
+            for name in group[0].scores:
+                stats[f"{TASK_PREFIX}{task}/{name}"] = (sum(s.scores[name] for s in group)
+                                                        / len(group))
     return stats
+
 
 
 def one_per_session(trajectories: list[Trajectory]) -> list[Trajectory]:
