@@ -181,24 +181,27 @@ def _eval(args: argparse.Namespace) -> int:
     from asyncrl.models.lora import AdapterError
 
     defaults: dict = {}
-    if args.config is not None:  # a run's config: its held-out set, prompt and reward
+    datasets: list[DatasetConfig] = []
+    if args.config is not None:  # a run's config: its held-out sets, prompt and reward
         from asyncrl.config import load_config
 
         cfg = load_config(args.config, [])
         defaults = {"reward": cfg.workflow.reward_fn, "system_prompt": cfg.workflow.system_prompt,
                     "few_shot": cfg.workflow.few_shot, "stop": cfg.gconfig.stop or None,
                     "max_tokens": cfg.evaluator.max_new_tokens or cfg.gconfig.max_new_tokens}
-        if args.data is None:  # the config's held-out set; `--data` replaces all of it
-            dataset = cfg.valid_dataset or cfg.train_dataset
-            defaults |= {"data": dataset.path, "split": dataset.split, "size": dataset.size,
-                         "seed": dataset.seed, "task_kwargs": dataset.task_kwargs}
+        if not args.data:  # the config's held-out sets; `--data` replaces all of them
+            datasets = [DatasetConfig(path=d.path, split=args.split or d.split, size=d.size,
+                                      seed=d.seed, task_kwargs=d.task_kwargs, shuffle=False)
+                        for d in cfg.valid_datasets or [cfg.train_dataset]]
 
     def pick(name: str, fallback):
         value = getattr(args, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    data = pick("data", None)
-    if not data:
+    if args.data:
+        datasets = [DatasetConfig(path=path, split=args.split or "test", shuffle=False)
+                    for path in args.data]
+    if not datasets:
         print("asyncrl eval: give --data (a JSONL file or folder, an HF dataset path, or "
               "reasoning_gym:<task>) or --config (a run's config, for its valid_dataset)",
               file=sys.stderr)
@@ -214,13 +217,10 @@ def _eval(args: argparse.Namespace) -> int:
         import json
 
         few_shot = json.loads(Path(args.few_shot).read_text())
-    dataset = DatasetConfig(path=data, split=pick("split", "test"),
-                            size=defaults.get("size"), seed=defaults.get("seed", 0),
-                            task_kwargs=defaults.get("task_kwargs", {}), shuffle=False)
     try:
         spec = EvalSpec(
             model=args.model, base=args.base, base_urls=args.base_url or [],
-            backend=args.backend, dataset=dataset, out=args.out,
+            backend=args.backend, dataset=datasets[0], extra_datasets=datasets[1:], out=args.out,
             reward_fn=pick("reward", "gsm8k"), answer_fn=args.answer_fn,
             system_prompt=pick("system_prompt", None), few_shot=few_shot,
             chat_template=args.chat_template, n=args.n or max(ks), ks=ks,
@@ -357,13 +357,16 @@ def _add_eval_parser(sub) -> None:
                         "or a named model; with --base-url, the tokenizer of what they serve")
     p.add_argument("--base", default=None,
                    help="an adapter's base model (default: the adapter's own record)")
-    p.add_argument("--data", default=None,
-                   help="JSONL file or folder, HF dataset path, or reasoning_gym:<task>")
+    p.add_argument("--data", action="append", default=None,
+                   help="JSONL file or folder, HF dataset path, reasoning_gym:<task> or "
+                        "python:<module>:<function>; repeat it for several sets, scored "
+                        "together and task by task")
     p.add_argument("--split", default=None, help="the split of a folder or HF dataset "
                    "(default: test)")
     p.add_argument("--config", default=None, type=Path,
-                   help="a run's config: its valid_dataset, reward, system prompt, few-shot "
-                        "examples and evaluation length, unless given here")
+                   help="a run's config: its valid_dataset (and extra_valid_datasets), reward, "
+                        "system prompt, few-shot examples and evaluation length, unless "
+                        "given here")
     p.add_argument("--reward", default=None,
                    help="reward_fn: gsm8k (default), reasoning_gym, code, short_answer, "
                         "marked_short_answer, or package.module:function")
@@ -385,7 +388,7 @@ def _add_eval_parser(sub) -> None:
                    help="a stop string (repeat for several): an answer ends once its text "
                         "holds one, the string kept (our engine)")
     p.add_argument("--concurrency", type=int, default=32, help="items in flight")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N items")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N items of each set")
     p.add_argument("--pass-threshold", type=float, default=1.0,
                    help="a sample is correct when its reward is at least this")
     p.add_argument("--out", type=Path, default=Path("eval"), help="output folder")

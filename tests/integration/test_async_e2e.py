@@ -70,11 +70,19 @@ def test_two_async_steps_end_to_end(tmp_path, tiny_model):
 def test_scheduled_evaluations_read_the_weights_of_their_step(tmp_path, tiny_model):
     # evaluator.freq_steps=1 over 3 steps: before training (0), after steps 1 and 2, and
     # after training (3); each overlaps the next step and must read only its step's weights
+    # A second held-out set of another task: both evaluated in one pass, each scored apart.
     summary = train(_config(tmp_path, tiny_model, eta=1, steps=3, extra=[
-        "evaluator.freq_steps=1"]))
+        "evaluator.freq_steps=1",
+        "extra_valid_datasets=[{path: 'reasoning_gym:chain_sum', size: 3, seed: 5}]"]))
     run = Path(summary["run_dir"])
     evals = [r for r in read_stats(run / "stats.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1, 2, 3]
+    for r in evals:
+        assert (r["eval/n"], r["eval/task/basic_arithmetic/n"], r["eval/task/chain_sum/n"]) == \
+            (7, 4, 3)
+        assert r["eval/reward"] == pytest.approx(
+            (4 * r["eval/task/basic_arithmetic/reward"] + 3 * r["eval/task/chain_sum/reward"]) / 7)
+    assert sorted(summary["eval_after_by_task"]) == ["basic_arithmetic", "chain_sum"]
     # the servers stamp each generated token with the version of the weights that made it
     assert [(r["eval/version_min"], r["eval/version_max"]) for r in evals] == [
         (0, 0), (1, 1), (2, 2), (3, 3)]

@@ -540,6 +540,11 @@ class ExperimentConfig:
     # Held-out items for the evaluator (those whose question is also a training question are
     # dropped); null: no evaluation.
     valid_dataset: Optional[DatasetConfig] = None
+    # More held-out sets (MATH-500 beside AIME, ...), each with valid_dataset's keys, all
+    # evaluated with valid_dataset as one set. Items keep their task (a JSONL file's default:
+    # its name, or its folder's for <split>.jsonl), and a set of several tasks is also scored
+    # task by task (eval/task/<task>/reward).
+    extra_valid_datasets: list[DatasetConfig] = field(default_factory=list)
     saver: SaverConfig = field(default_factory=SaverConfig)
     # Checkpoints of the whole run state in <run>/recover/, to resume an interrupted run.
     recover: RecoverConfig = field(default_factory=RecoverConfig)
@@ -569,6 +574,13 @@ class ExperimentConfig:
         _check(bool(self.train_dataset.path) or self.online,
                "train_dataset.path is empty: give a JSONL file or folder, an HF dataset id, "
                "reasoning_gym:<task> or python:<module>:<function>")
+        _check(self.valid_dataset is not None or not self.extra_valid_datasets,
+               "extra_valid_datasets is set but valid_dataset is null: give the first held-out "
+               "set as valid_dataset, or drop extra_valid_datasets")
+        for i, extra in enumerate(self.extra_valid_datasets):
+            _check(bool(extra.path), f"extra_valid_datasets[{i}].path is empty: give a JSONL "
+                   "file or folder, an HF dataset id, reasoning_gym:<task> or "
+                   "python:<module>:<function>")
         self._check_agent()
         for name, norm in (("reward_norm", self.actor.reward_norm), ("adv_norm", self.actor.adv_norm)):
             if norm is None:
@@ -590,6 +602,11 @@ class ExperimentConfig:
         self._check_distillation()
 
     @property
+    def valid_datasets(self) -> list[DatasetConfig]:
+        """Every held-out set: valid_dataset, then extra_valid_datasets."""
+        return [self.valid_dataset, *self.extra_valid_datasets] if self.valid_dataset else []
+
+    @property
     def online(self) -> bool:
         """Episodes come from outside clients (agent.mode=online), not from a dataset."""
         return self.workflow.type == "agent" and self.agent.mode == "online"
@@ -600,7 +617,7 @@ class ExperimentConfig:
         self.agent.check_mode()
         _check(self.valid_dataset is None or not self.online,
                "agent.mode=online takes its episodes from outside clients and has no held-out "
-               "set to evaluate; drop valid_dataset")
+               "set to evaluate; drop valid_dataset and extra_valid_datasets")
         _check(not self.online or self.total_train_steps is not None,
                "agent.mode=online has no dataset epochs; set total_train_steps")
         _check(not self.online or self.actor.reward_norm is None

@@ -27,7 +27,7 @@ from typing import Any
 from asyncrl.config.schema import DatasetConfig, GenerationConfig, LocalEngineConfig
 from asyncrl.controller.rollout.evaluate import EvalResult, ItemScore, evaluate
 from asyncrl.controller.workflows import RLVRWorkflow
-from asyncrl.data import load_dataset
+from asyncrl.data import load_datasets
 from asyncrl.launch.commands import BACKENDS
 from asyncrl.observe import ProgressBar
 from asyncrl.observe.stats import by_task
@@ -51,6 +51,8 @@ class EvalSpec:
     # base_urls: the tokenizer of the model those servers serve.
     model: str
     dataset: DatasetConfig
+    # more sets, scored with `dataset` as one (and task by task where their tasks differ)
+    extra_datasets: list[DatasetConfig] = field(default_factory=list)
     out: Path
     base: str | None = None  # an adapter's base model (default: the adapter's own record)
     base_urls: list[str] = field(default_factory=list)  # running servers; none: start one
@@ -69,7 +71,7 @@ class EvalSpec:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)  # stop strings, as gconfig.stop
     concurrency: int = 32
-    limit: int | None = None  # the first `limit` items
+    limit: int | None = None  # the first `limit` items of each dataset
     pass_threshold: float = 1.0  # a sample with reward >= this counts as correct
     reward_timeout: float = 30.0
     seed: int = 0
@@ -114,7 +116,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     spec.out.mkdir(parents=True, exist_ok=True)
-    items = load_dataset(spec.dataset)[:spec.limit]
+    items = load_datasets([spec.dataset, *spec.extra_datasets], limit=spec.limit)
     with _served_model(spec) as (model_path, urls):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         reward = RewardRunner(resolve_reward_fn(spec.reward_fn), spec.reward_timeout)
@@ -199,7 +201,8 @@ def write_outputs(spec: EvalSpec, result: EvalResult,
     summary = {"spec": _jsonable(spec), "stats": result.stats,
                "items": str(spec.out / "items.jsonl")}
     summary["plot"] = str(plot_at_k(result.stats, spec.ks, spec.out / "pass_at_k.png",
-                                    title=f"{spec.model} on {spec.dataset.path}"))
+                                    title=f"{spec.model} on " + ", ".join(
+                                        d.path for d in [spec.dataset, *spec.extra_datasets])))
     (spec.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table(result.stats, spec.ks))
     return summary

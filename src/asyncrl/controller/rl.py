@@ -37,7 +37,7 @@ from asyncrl.controller.supervise import ROLES, Supervisor
 from asyncrl.controller.versions import VersionSync
 from asyncrl.controller.weight_update import WeightUpdateClient
 from asyncrl.controller.workflows import RLVRWorkflow
-from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset
+from asyncrl.data import ItemStream, filter_by_length, held_out, load_dataset, load_datasets
 from asyncrl.inference.client.backends import client_class
 from asyncrl.inference.router import RouterClient, fetch_state
 from asyncrl.launch import make_scheduler
@@ -144,8 +144,8 @@ class RLTrainer:
             grow_ahead=not cores_shared)
         if self.agents is not None:
             self.agents.attach(self.rollout)
-        self.valid_items = (held_out(load_dataset(cfg.valid_dataset), train_items)
-            if cfg.valid_dataset else [])
+        self.valid_items = (held_out(load_datasets(cfg.valid_datasets), train_items)
+            if cfg.valid_datasets else [])
         self.eval_workflow = self.workflow.for_eval(cfg.evaluator.max_new_tokens)
         # The trainer ranks: this process (inline) or the training service's processes.
         self.trainer = trainer if trainer is not None else RLWorker(build_trainer_spec(cfg))

@@ -4,6 +4,7 @@ from asyncrl.data.loading import (
     DatasetError,
     held_out,
     load_dataset,
+    load_datasets,
     load_hf,
     load_jsonl,
     load_reasoning_gym,
@@ -14,5 +15,5 @@ from asyncrl.data.stream import ItemStream
 
 __all__ = [
     "DatasetError", "ItemStream", "build_messages", "encode_chat", "filter_by_length", "held_out",
-    "load_dataset", "load_hf", "load_jsonl", "load_reasoning_gym", "row_to_item",
+    "load_dataset", "load_datasets", "load_hf", "load_jsonl", "load_reasoning_gym", "row_to_item",
 ]

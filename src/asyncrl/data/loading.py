@@ -59,6 +59,27 @@ def load_dataset(cfg: DatasetConfig) -> list[dict[str, Any]]:
     return load_hf(path, split=cfg.split, limit=cfg.size, **cfg.task_kwargs)
 
 
+def load_datasets(cfgs: list[DatasetConfig], *, limit: int | None = None
+                  ) -> list[dict[str, Any]]:
+    """The items of several datasets (the first `limit` of each), in order, as one set. An
+    item whose id an earlier dataset already holds is renamed "<task>/<id>" (two folders of
+    `test.jsonl` rows both number them test-1, test-2, ...)."""
+    items: list[dict[str, Any]] = []
+    earlier: dict[str, str] = {}  # id -> the path of the dataset that holds it
+    for cfg in cfgs:
+        these = load_dataset(cfg)[:limit]
+        for i, item in enumerate(these):
+            if item["id"] in earlier:
+                these[i] = item = {**item, "id": f"{item.get('task', '')}/{item['id']}"}
+            if item["id"] in earlier:
+                raise DatasetError(
+                    f"item id {item['id']!r} of {cfg.path!r} is also an item of "
+                    f"{earlier[item['id']]!r}: give the rows of one of them other ids or tasks")
+        earlier |= {item["id"]: cfg.path for item in these}
+        items += these
+    return items
+
+
 def held_out(items: list[dict[str, Any]], train_items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`items` without those that are also training items (decontamination): the same
     question, and for items with images the same images too (a templated question about

@@ -88,6 +88,24 @@ def test_missing_dataset_path_is_explained(tmp_path):
         load_config(None, [])
 
 
+def test_extra_valid_datasets_follow_valid_dataset(base_yaml, tmp_path):
+    extra = ("extra_valid_datasets=[{path: math.jsonl}, "
+             "{path: 'reasoning_gym:chain_sum', size: 4, seed: 9}]")
+    cfg = load_config(base_yaml, ["valid_dataset.path=aime.jsonl", extra])
+    assert [(d.path, d.size, d.seed) for d in cfg.valid_datasets] == [
+        ("aime.jsonl", None, 0), ("math.jsonl", None, 0), ("reasoning_gym:chain_sum", 4, 9)]
+    assert load_config(base_yaml, []).valid_datasets == []
+    with pytest.raises(ConfigError, match="extra_valid_datasets is set but valid_dataset is "
+                                          "null: give the first held-out set as valid_dataset"):
+        load_config(base_yaml, [extra])
+    with pytest.raises(ConfigError, match=r"extra_valid_datasets\[1\]\.path is empty"):
+        load_config(base_yaml, ["valid_dataset.path=a.jsonl",
+                                "extra_valid_datasets=[{path: b.jsonl}, {size: 3}]"])
+    with pytest.raises(ConfigError, match="unknown config key 'sise' .*did you mean 'size'"):
+        load_config(base_yaml, ["valid_dataset.path=a.jsonl",
+                                "extra_valid_datasets=[{path: b.jsonl, sise: 3}]"])
+
+
 @pytest.mark.parametrize("path", sorted(
     list((REPO / "examples").rglob("*.yaml")) + list((REPO / "src/asyncrl/recipes").glob("*.yaml"))),
     ids=lambda p: p.name)

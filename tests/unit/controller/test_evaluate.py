@@ -159,6 +159,29 @@ def test_data_replaces_the_configs_dataset_and_keeps_its_prompt_and_reward(tmp_p
     assert (seen[0].reward_fn, seen[0].stop, seen[0].max_tokens) == ("code", ["```\n"], 96)
 
 
+def test_several_sets_from_data_flags_or_a_runs_extra_valid_datasets(tmp_path, monkeypatch):
+    from asyncrl.controller import evaluation
+
+    seen = []
+    monkeypatch.setattr(evaluation, "run", seen.append)
+    assert main(["eval", "--model", "m", "--out", str(tmp_path), "--data", "a.jsonl",
+                 "--data", "reasoning_gym:chain_sum", "--split", "dev"]) == 0
+    sets = [seen[0].dataset, *seen[0].extra_datasets]
+    assert [(d.path, d.split) for d in sets] == [("a.jsonl", "dev"),
+                                                  ("reasoning_gym:chain_sum", "dev")]
+    config = tmp_path / "run.yaml"
+    config.write_text("train_dataset: {path: train.jsonl}\n"
+                      "valid_dataset: {path: math.jsonl, size: 5}\n"
+                      "extra_valid_datasets:\n"
+                      "  - {path: 'python:asyncrl.data.visual_tasks:held_out_tasks', size: 3, "
+                      "seed: 7, task_kwargs: {canvas: 96}}\n")
+    assert main(["eval", "--model", "m", "--out", str(tmp_path), "--config", str(config)]) == 0
+    sets = [seen[1].dataset, *seen[1].extra_datasets]
+    assert [(d.path, d.size, d.seed, d.task_kwargs) for d in sets] == [
+        ("math.jsonl", 5, 0, {}),
+        ("python:asyncrl.data.visual_tasks:held_out_tasks", 3, 7, {"canvas": 96})]
+
+
 def test_outputs_hold_each_item_and_the_means(tmp_path, capsys):
     result = run_scripted(["a", "b"], ks=(1, 2))
     summary = write_outputs(spec(tmp_path, n=4, ks=[1, 2], temperature=1.0), result,

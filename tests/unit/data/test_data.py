@@ -17,6 +17,7 @@ from asyncrl.data import (
     encode_chat,
     filter_by_length,
     load_dataset,
+    load_datasets,
 )
 from asyncrl.models.tiny import make_tiny_tokenizer
 
@@ -64,6 +65,25 @@ def test_folder_is_read_by_split_and_named_after_the_folder(tmp_path):
     assert len(load_dataset(DatasetConfig(path=str(folder)))) == 3
     with pytest.raises(DatasetError, match=r"no validation\.jsonl .*'test\.jsonl', 'train\.jsonl'"):
         load_dataset(DatasetConfig(path=str(folder), split="validation"))
+
+
+def test_several_sets_load_in_order_with_ids_made_unique_by_task(tmp_path):
+    for name, rows in (("aime", ROWS[:2]), ("math", ROWS)):
+        (tmp_path / name).mkdir()
+        write_jsonl(tmp_path / name / "test.jsonl", rows)
+    sets = [DatasetConfig(path=str(tmp_path / name), split="test") for name in ("aime", "math")]
+    items = load_datasets(sets)
+    # both folders number their rows test-1, test-2, ...; "custom" is the row's own id
+    assert [(i["id"], i["task"]) for i in items] == [
+        ("test-1", "aime"), ("test-2", "aime"), ("math/test-1", "math"), ("math/test-2", "math"),
+        ("custom", "toy")]
+    assert [i["answer"] for i in items] == ["5", "1001", "5", "1001", "7"]
+    assert [i["id"] for i in load_datasets(sets, limit=1)] == ["test-1", "math/test-1"]
+    # a renamed id that is still taken: the rows must change
+    write_jsonl(tmp_path / "clash.jsonl", [{**ROWS[2], "id": "toy/custom"}, ROWS[2]])
+    with pytest.raises(DatasetError, match=r"item id 'toy/custom' of .*clash\.jsonl' is also "
+                                           r"an item of .*clash\.jsonl'"):
+        load_datasets([DatasetConfig(path=str(tmp_path / "clash.jsonl"))] * 2)
 
 
 def test_bad_json_line_stops_the_load_with_file_and_line_when_asked(tmp_path):
