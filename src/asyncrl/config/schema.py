@@ -541,9 +541,9 @@ class ExperimentConfig:
     # dropped); null: no evaluation.
     valid_dataset: Optional[DatasetConfig] = None
     # More held-out sets (MATH-500 beside AIME, ...), each with valid_dataset's keys, all
-    # evaluated with valid_dataset as one set. Items keep their task (a JSONL file's default:
-    # its name, or its folder's for <split>.jsonl), and a set of several tasks is also scored
-    # task by task (eval/task/<task>/reward).
+    # evaluated with valid_dataset as one set, by workflow.reward_fn. Items keep their task
+    # (a JSONL file's default: its name, or its folder's for <split>.jsonl), and a set of
+    # several tasks is also scored task by task (eval/task/<task>/reward).
     extra_valid_datasets: list[DatasetConfig] = field(default_factory=list)
     saver: SaverConfig = field(default_factory=SaverConfig)
     # Checkpoints of the whole run state in <run>/recover/, to resume an interrupted run.
