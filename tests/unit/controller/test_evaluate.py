@@ -9,9 +9,9 @@ import pytest
 
 from asyncrl.api import Trajectory
 from asyncrl.cli import main
+from asyncrl.config import load_config
 from asyncrl.config.schema import DatasetConfig
 from asyncrl.controller.evaluation import EvalSpec, EvalSpecError, table, write_outputs
-from asyncrl.config import load_config
 from asyncrl.controller.rl import eval_concurrency, eval_in_flight
 from asyncrl.controller.rollout.evaluate import evaluate
 from asyncrl.observe.stats import by_task

@@ -1,8 +1,11 @@
-"""TensorBatches for unit tests: hand-written per-token values, or random padded rows."""
+"""TensorBatches for unit tests: hand-written per-token values, or random padded rows; and
+trajectories of chat prompts with images."""
+
+from typing import Any
 
 import torch
 
-from asyncrl.api import TensorBatch
+from asyncrl.api import TensorBatch, Trajectory
 
 
 def hand_batch(rewards, loss_mask, **per_token) -> TensorBatch:
@@ -29,3 +32,19 @@ def random_batch(seed: int = 0, lengths=(12, 7, 10, 5), prompt_len: int = 3) -> 
     return TensorBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
                        behavior_logprobs=torch.zeros(n, width),
                        versions=torch.zeros(n, width, dtype=torch.long), rewards=torch.zeros(n))
+
+
+def image_trajectory(prompts: Any, messages: list[dict], images: list, output: list[int], *,
+                     reward: float = 0.0, group_id: str = "g0") -> Trajectory:
+    """The chat prompt of `messages` with `images` (PIL; none: a text prompt) through a
+    model's `load_image_prompts(...)`, then the fixed `output`; behaviour log-probs 0."""
+    tok = prompts.processor.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if images:
+        prompt, inputs = prompts.encode(text, images)
+    else:
+        prompt, inputs = tok.encode(text, add_special_tokens=False), None
+    n = len(prompt) + len(output)
+    return Trajectory(input_ids=prompt + output, loss_mask=[0] * len(prompt) + [1] * len(output),
+                      behavior_logprobs=[0.0] * n, versions=[-1] * len(prompt) + [0] * len(output),
+                      reward=reward, group_id=group_id, images=inputs)

@@ -106,7 +106,9 @@ def _is_device(device: Any) -> bool:
 # Ops that move data between devices: a CPU operand is their point.
 _TRANSFERS = {aten._to_copy.default, aten.copy_.default, aten.copy.default,
               aten._copy_from.default, aten._copy_from_and_resize.default,
-              aten.lift_fresh.default, aten.lift_fresh_copy.default}
+              aten.lift_fresh.default, aten.lift_fresh_copy.default,
+              # `.to(...)` as inference mode dispatches it, undecomposed
+              aten.to.device, aten.to.dtype_layout, aten.to.other}
 # Advanced indexing: CUDA moves CPU index tensors itself (argument 1, a list of indices).
 _INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
              aten._index_put_impl_.default, aten._unsafe_index.Tensor,
@@ -146,10 +148,22 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def _placed_on_device(func, kwargs: dict, flat: list) -> bool:
+def _device_argument(func, args: tuple, kwargs: dict) -> Any:
+    """The op's `device` argument, by keyword or by position (`aten.to.device`, which
+    inference mode dispatches undecomposed, takes it second); None if it has none."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    for i, arg in enumerate(func._schema.arguments[:len(args)]):
+        if arg.name == "device":
+            return args[i]
+    return None
+
+
+def _placed_on_device(func, args: tuple, kwargs: dict, flat: list) -> bool:
     """Whether the op's new tensors belong on the device (else on the CPU)."""
-    if "device" in kwargs and kwargs["device"] is not None:
-        return _is_device(kwargs["device"])
+    device = _device_argument(func, args, kwargs)
+    if device is not None:
+        return _is_device(device)
     if func in _SHAPE_OF_OTHER:
         return isinstance(flat[0], OnDevice)
     return any(isinstance(t, OnDevice) for t in flat)
@@ -184,7 +198,7 @@ def _aliased_argument(func, args: tuple, kwargs: dict, ret) -> Any:
 
 def _run(func, args: tuple, kwargs: dict) -> Any:
     flat, _ = tree_flatten((args, kwargs))
-    on_device = _placed_on_device(func, kwargs, flat)
+    on_device = _placed_on_device(func, args, kwargs, flat)
     mixed = any(isinstance(t, OnDevice) for t in flat)
     if not (on_device or mixed):
         return func(*args, **kwargs)  # the CPU's (or real meta tensors') own op

@@ -68,6 +68,14 @@ def test_the_harness_refuses_what_cuda_refuses_and_allows_what_it_allows():
         assert is_on_device(torch.rand(2, device=dev, generator=gen))
         with pytest.raises(RuntimeError, match="numpy"):  # CUDA tensors have no numpy view
             x.numpy()
+        # in inference mode `.to(device, dtype)` reaches the dispatcher as aten.to.device
+        with torch.inference_mode():
+            moved = torch.ones(2, 3).to(dev, torch.float16)
+            assert is_on_device(moved) and moved.dtype == torch.float16
+            with pytest.raises(DeviceLeak, match="a CPU tensor"):
+                moved + torch.ones(3, dtype=torch.float16)
+            back = moved.to("cpu", torch.float32)
+            assert not is_on_device(back) and back.tolist() == [[1.0] * 3] * 2
 
 
 # ---- the trainer ----------------------------------------------------------------------------

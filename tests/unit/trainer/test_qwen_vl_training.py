@@ -4,6 +4,7 @@ loss and gradients equal HF's whole model's, row by row."""
 
 import pytest
 import torch
+from batches import image_trajectory
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
@@ -32,24 +33,11 @@ def qwen_vl(tmp_path_factory) -> str:
 
 def trajectories(path: str) -> list[Trajectory]:
     prompts = load_image_prompts(path)
-    tok = prompts.processor.tokenizer
-    out = []
-    for i, ((sizes, reward), output) in enumerate(zip(ROWS, OUTPUT)):
-        question = prompts.image_text * len(sizes) + f"row {i}"
-        text = tok.apply_chat_template([{"role": "user", "content": question}],
-                                       add_generation_prompt=True, tokenize=False)
-        if sizes:
-            images = [Image.new("RGB", s, (40 * i + 30 * k, 200 - 30 * i, 90))
-                      for k, s in enumerate(sizes)]
-            prompt, image_inputs = prompts.encode(text, images)
-        else:
-            prompt, image_inputs = tok.encode(text, add_special_tokens=False), None
-        n = len(prompt) + len(output)
-        out.append(Trajectory(
-            input_ids=prompt + output, loss_mask=[0] * len(prompt) + [1] * len(output),
-            behavior_logprobs=[0.0] * n, versions=[-1] * len(prompt) + [0] * len(output),
-            reward=reward, group_id=f"g{i // 2}", images=image_inputs))
-    return out
+    return [image_trajectory(
+        prompts, [{"role": "user", "content": prompts.image_text * len(sizes) + f"row {i}"}],
+        [Image.new("RGB", s, (40 * i + 30 * k, 200 - 30 * i, 90)) for k, s in enumerate(sizes)],
+        output, reward=reward, group_id=f"g{i // 2}")
+        for i, ((sizes, reward), output) in enumerate(zip(ROWS, OUTPUT))]
 
 
 def test_processor_places_each_images_merged_patches_between_the_vision_markers(qwen_vl):

@@ -5,9 +5,10 @@ three-dimensional positions (Qwen2.5-VL)."""
 
 import pytest
 import torch
+from batches import image_trajectory
 from PIL import Image
 
-from asyncrl.api.types import Batch, Trajectory
+from asyncrl.api.types import Batch
 from asyncrl.config.engine import TrainEngineSpec
 from asyncrl.config.schema import OptimizerConfig
 from asyncrl.models.tiny_qwen_vl import make_tiny_qwen_vl
@@ -37,23 +38,12 @@ def model_path(request, tmp_path_factory) -> str:
 
 def make_batch(path: str) -> Batch:
     prompts = load_image_prompts(path)
-    tok = prompts.processor.tokenizer
-    out = []
-    for i, (colour, output) in enumerate(zip(COLOURS, OUTPUT)):
-        question = (prompts.image_text if colour else "") + "How many shapes are there?"
-        text = tok.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                        {"role": "user", "content": question}],
-                                       add_generation_prompt=True, tokenize=False)
-        if colour:
-            prompt, images = prompts.encode(text, [Image.new("RGB", (32, 32), colour)])
-        else:
-            prompt, images = tok.encode(text, add_special_tokens=False), None
-        n = len(prompt) + len(output)
-        out.append(Trajectory(
-            input_ids=prompt + output, loss_mask=[0] * len(prompt) + [1] * len(output),
-            behavior_logprobs=[0.0] * n, versions=[-1] * len(prompt) + [0] * len(output),
-            reward=0.0, group_id=f"g{i}", images=images))
-    return Batch(out)
+    return Batch([image_trajectory(
+        prompts, [{"role": "system", "content": SYSTEM},
+                  {"role": "user", "content": (prompts.image_text if colour else "")
+                   + "How many shapes are there?"}],
+        [Image.new("RGB", (32, 32), colour)] if colour else [], output, group_id=f"g{i}")
+        for i, (colour, output) in enumerate(zip(COLOURS, OUTPUT))])
 
 
 def step(path: str, shared_prefix: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
