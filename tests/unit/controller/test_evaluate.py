@@ -69,8 +69,11 @@ def test_a_failed_item_is_counted_and_left_out_of_the_means():
 
 def test_a_set_of_several_tasks_reports_each_tasks_scores():
     items = [{"id": "a", "task": "x"}, {"id": "b", "task": "y"}, {"id": "c", "task": "y"}]
-    stats = asyncio.run(evaluate(None, Scripted(), items, concurrency=2, ks=(1, 2),
-                                 extract_answer=extract_final_answer)).stats
+    result = asyncio.run(evaluate(None, Scripted(), items, concurrency=2, ks=(1, 2),
+                                  extract_answer=extract_final_answer))
+    stats = result.stats
+    assert [(r["id"], r["task"]) for r in (s.record() for s in result.items)] == [
+        ("a", "x"), ("b", "y"), ("c", "y")]  # items.jsonl can be split by task
     # x: item a alone, 2 of 4 right; y: b (1 of 4) and c (0 of 4)
     assert stats["eval/task/x/reward"] == pytest.approx(0.5)
     assert stats["eval/task/y/reward"] == pytest.approx(1 / 8)

@@ -33,15 +33,16 @@ class ItemScore:
     scores: dict[str, float] = field(default_factory=dict)
 
     def record(self, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
-        """A JSON line: the question (and with `decode` the prompt as the model saw it), the
-        gold answer, the scores, and each sample's text, reward and answer."""
+        """A JSON line: the id, task and question (and with `decode` the prompt as the model
+        saw it), the gold answer, the scores, and each sample's text, reward and answer."""
         prompt = None
         if decode is not None and self.trajectories:
             first = self.trajectories[0]
             prompt = decode(first.input_ids[:first.loss_mask.index(1)] if 1 in first.loss_mask
                             else first.input_ids)
         return {
-            "id": self.item.get("id"), "question": self.item.get("question"), "prompt": prompt,
+            "id": self.item.get("id"), "task": self.item.get("task"),
+            "question": self.item.get("question"), "prompt": prompt,
             "gold": self.item.get("answer"), "scores": self.scores,
             "samples": [{"completion": t.meta.get("completion"), "reward": r, "answer": a,
                          "output_tokens": t.n_output_tokens, "stop_reason": t.stop_reason.value,
