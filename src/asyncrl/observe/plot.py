@@ -6,7 +6,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from asyncrl.observe.stats import TASK_PREFIX, read_stats
+from asyncrl.observe.stats import by_task, read_stats
 
 # each task's held-out curve; blue and red are the training and whole-set curves'
 TASK_COLOURS = ("tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
@@ -35,12 +35,11 @@ def reward_curve_series(rows: list[dict[str, Any]], *, window: int = 5
     rewards = [r["rollout/reward"] for r in train]
     series = {"train": (steps, rewards), "train_mean": (steps, _smooth(rewards, window)),
               "held_out": ([r["step"] for r in evals], [r["eval/reward"] for r in evals])}
-    tasks = sorted({key for r in evals for key in r
-                    if key.startswith(TASK_PREFIX) and key.endswith("/reward")})
-    for key in tasks:  # a mixed held-out set: each task's reward too
-        task = key[len(TASK_PREFIX):-len("/reward")]
-        rows_with = [r for r in evals if key in r]
-        series[f"held_out:{task}"] = ([r["step"] for r in rows_with], [r[key] for r in rows_with])
+    for r in evals:  # a mixed held-out set: each task's reward too
+        for task, task_stats in by_task(r).items():
+            task_steps, task_rewards = series.setdefault(f"held_out:{task}", ([], []))
+            task_steps.append(r["step"])
+            task_rewards.append(task_stats["reward"])
     return series
 
 

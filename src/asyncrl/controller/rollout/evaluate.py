@@ -71,8 +71,9 @@ async def evaluate(engine: InferenceEngine, workflow: Workflow, items: list[dict
     `eval/failed`, `eval/output_tokens_mean`, and for each k of `ks`: `eval/pass@k` (a sample
     is correct when its reward >= `pass_threshold`), `eval/mean@k`, and `eval/maj@k` when
     `extract_answer` reads answers from completions. When the items hold more than one
-    `task`, each task's reward, item count and scores as well (`eval/task/<task>/reward`). Each k must be at most the samples per
-    item. Failed items are counted, logged with their cause and left out of every mean.
+    `task`, each task's reward, item count and scores as well (`eval/task/<task>/reward`).
+    Each k must be at most the samples per item. Failed items are counted, logged with their
+    cause and left out of every mean.
     `on_item` is called as each item ends (None for a failed one).
     """
     sem = asyncio.Semaphore(concurrency)
@@ -133,31 +134,30 @@ def _score(item: dict[str, Any], trajectories: list[Trajectory], ks: Sequence[in
 
 def _stats(scored: list[ItemScore], trajectories: list[Trajectory], failures: int,
            ks: Sequence[int]) -> dict[str, float]:
-    samples = [r for s in scored for r in s.rewards]
+    n_samples = sum(len(s.rewards) for s in scored)
     # the weight versions the answers were generated with (one, when the weights held still)
     versions = [v for t in trajectories for v in t.output_versions] or [-1]
-    stats = {
-        "eval/reward": sum(samples) / len(samples),
-        "eval/n": float(len(scored)),
+    stats = {f"eval/{name}": value for name, value in _means(scored).items()} | {
         "eval/failed": float(failures),
-        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / len(samples),
+        "eval/output_tokens_mean": sum(t.n_output_tokens for t in trajectories) / n_samples,
         "eval/version_min": float(min(versions)),
         "eval/version_max": float(max(versions)),
     }
-    for name in scored[0].scores:
-        stats[f"eval/{name}"] = sum(s.scores[name] for s in scored) / len(scored)
     tasks: dict[str, list[ItemScore]] = {}
     for s in scored:
         tasks.setdefault(str(s.item.get("task", "")), []).append(s)
-    if len(tasks) > 1:  # a mixed set: each task's mean as well
+    if len(tasks) > 1:  # a mixed set: each task's means as well
         for task, group in sorted(tasks.items()):
-            rewards = [r for s in group for r in s.rewards]
-            stats[f"{TASK_PREFIX}{task}/reward"] = sum(rewards) / len(rewards)
-            stats[f"{TASK_PREFIX}{task}/n"] = float(len(group))
-            for name in group[0].scores:
-                stats[f"{TASK_PREFIX}{task}/{name}"] = (sum(s.scores[name] for s in group)
-                                                        / len(group))
+            stats |= {f"{TASK_PREFIX}{task}/{name}": value
+                      for name, value in _means(group).items()}
     return stats
+
+
+def _means(scored: list[ItemScore]) -> dict[str, float]:
+    """The mean reward of all samples, the item count, and each score's mean over items."""
+    samples = [r for s in scored for r in s.rewards]
+    return {"reward": sum(samples) / len(samples), "n": float(len(scored))} | {
+        name: sum(s.scores[name] for s in scored) / len(scored) for name in scored[0].scores}
 
 
 
